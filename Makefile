@@ -1,0 +1,25 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ckptd-installed
+
+.PHONY: demo test bench-verify clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench-verify: $(STAMP)
+	$(PY) bench/verify_read.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+from ckptd.cli import run
+
+run()

@@ -1,0 +1,149 @@
+"""``ckptd inspect`` and ``ckptd verify``: the file-level public contract (see docs/CLI.md).
+
+JSON output carries a ``schema`` key; fields are only ever added within a schema version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Iterator
+
+from ckptd.errors import CkptdError
+from ckptd.format import crypto
+from ckptd.format.checkpoint import open_checkpoint
+from ckptd.format.verify import FileReport, verify_file
+
+INSPECT_SCHEMA = "ckptd.inspect/1"
+VERIFY_SCHEMA = "ckptd.verify/1"
+CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="list a checkpoint file's entries and properties")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema ckptd.inspect/1)")
+    p.add_argument("--key-file", metavar="F", help="file holding the raw decryption key bytes")
+    p.add_argument("--no-crc", action="store_true", help="skip recomputing the CRC (avoids a full read)")
+    p.set_defaults(handler=cmd_inspect)
+
+    v = sub.add_parser("verify", help="check checkpoint files completely; exit 0 only if all are valid")
+    v.add_argument("paths", nargs="+", metavar="PATH", help="files, or directories searched for *.ckpt/*.safetensors")
+    v.add_argument("--key-file", metavar="F", help="file holding the raw decryption key bytes")
+    v.add_argument("--json", action="store_true", help="machine-readable output (schema ckptd.verify/1)")
+    v.set_defaults(handler=cmd_verify)
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    return crypto.load_key_file(args.key_file) if args.key_file else None
+
+
+def _fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def inspect_file(path: str, key: bytes | None, check_crc: bool = True) -> dict[str, Any]:
+    """The ``ckptd.inspect/1`` document for one file."""
+    with open_checkpoint(path, key) as ckpt:
+        crc: dict[str, Any] = {"present": ckpt.crc is not None, "stored": None, "computed": None, "valid": None}
+        if ckpt.crc is not None:
+            crc["stored"] = ckpt.crc.stored
+            if check_crc:
+                crc["computed"] = ckpt.compute_crc()
+                crc["valid"] = crc["computed"] == ckpt.crc.stored
+        entries = []
+        for ent in ckpt.entries.values():
+            row = ent.to_dict()
+            if ent.is_string or (ent.is_scalar and ent.expected_nbytes() == ent.nbytes):
+                try:
+                    row["value"] = ckpt.value(ent.name)
+                except CkptdError as err:
+                    row["value"] = None
+                    row["error"] = err.message
+            entries.append(row)
+        return {
+            "schema": INSPECT_SCHEMA,
+            "path": os.path.abspath(path),
+            "format": ckpt.format,
+            "encryption": ckpt.encryption.value if ckpt.encryption else None,
+            "size": os.path.getsize(path),
+            "crc": crc,
+            "metadata": ckpt.metadata,
+            "entries": entries,
+            "problems": [p.to_dict() for p in ckpt.problems],
+        }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    doc = inspect_file(args.file, _key(args), check_crc=not args.no_crc)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return 0 if not doc["problems"] and doc["crc"]["valid"] is not False else 1
+    crc = doc["crc"]
+    crc_text = "absent" if not crc["present"] else {True: "valid", False: "INVALID", None: "present (not checked)"}[crc["valid"]]
+    print(f"file:       {doc['path']}")
+    print(f"format:     {doc['format']}  size: {_fmt_bytes(doc['size'])}")
+    print(f"encryption: {doc['encryption'] or 'none'}")
+    print(f"crc:        {crc_text}" + (f" ({crc['stored']:#010x})" if crc["present"] else ""))
+    for k, v in doc["metadata"].items():
+        print(f"metadata:   {k} = {v}")
+    rows = [("NAME", "DTYPE", "SHAPE", "BYTES", "VALUE")]
+    for e in doc["entries"]:
+        value = "" if "value" not in e else repr(e["value"])
+        rows.append((e["name"], e["dtype"], str(tuple(e["shape"])), str(e["bytes"]), value[:40]))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
+    print(f"{len(doc['entries'])} entries, {_fmt_bytes(sum(e['bytes'] for e in doc['entries']))} of tensor data")
+    for p in doc["problems"]:
+        print(f"PROBLEM: {p['message']} (hint: {p['hint']})")
+    return 0 if not doc["problems"] and crc["valid"] is not False else 1
+
+
+def expand_paths(paths: list[str]) -> Iterator[str]:
+    """Files as given; directories walked (sorted) for checkpoint files. Missing paths pass through."""
+    for path in paths:
+        if os.path.isdir(path):
+            found = False
+            for root, dirs, names in os.walk(path):
+                dirs.sort()
+                for name in sorted(names):
+                    if name.endswith(CHECKPOINT_SUFFIXES):
+                        found = True
+                        yield os.path.join(root, name)
+            if not found:
+                raise CkptdError("no *.ckpt or *.safetensors files under this directory", path=path)
+        else:
+            yield path
+
+
+def _problem_line(report: FileReport, code: str, message: str, offset: int | None, hint: str) -> str:
+    where = f" @ byte {offset}" if offset is not None else ""
+    return f"FAIL {report.path}{where}: {message} [{code}]" + (f" (hint: {hint})" if hint else "")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    key = _key(args)
+    reports = [verify_file(p, key) for p in expand_paths(args.paths)]
+    ok = all(r.ok for r in reports)
+    if args.json:
+        json.dump({"schema": VERIFY_SCHEMA, "ok": ok, "files": [r.to_dict() for r in reports]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for r in reports:
+            if r.ok:
+                enc = f", {r.encryption}" if r.encryption else ""
+                print(f"ok   {r.path} ({r.format}{enc}, {r.entries} entries, crc {r.crc})")
+            for p in r.problems:
+                print(_problem_line(r, p.code, p.message, p.offset, p.hint))
+        bad = sum(not r.ok for r in reports)
+        print(f"{len(reports) - bad} valid, {bad} invalid")
+    return 0 if ok else 1

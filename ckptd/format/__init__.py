@@ -1,0 +1,31 @@
+"""MindSpore's on-disk formats, read and written byte-compatibly (see docs/FORMATS.md).
+
+Public surface: ``open_checkpoint``, ``write_checkpoint``, ``verify_file``, ``TensorEntry``,
+``TypedArray``, ``EncMode``, ``load_strategy``. Everything else in this package is an
+implementation detail. Names resolve lazily so importing one submodule stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointFile": "ckptd.format.checkpoint",
+    "open_checkpoint": "ckptd.format.checkpoint",
+    "write_checkpoint": "ckptd.format.checkpoint",
+    "TypedArray": "ckptd.format.ckpt",
+    "EncMode": "ckptd.format.crypto",
+    "TensorEntry": "ckptd.format.entry",
+    "FileReport": "ckptd.format.verify",
+    "verify_file": "ckptd.format.verify",
+    "load_strategy": "ckptd.format.strategy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ckptd.format' has no attribute {name!r}")

@@ -1,0 +1,249 @@
+"""One front door for every checkpoint file MindSpore writes: ``open_checkpoint`` / ``write_checkpoint``.
+
+``open_checkpoint`` sniffs the format (encrypted ``.ckpt``, plain ``.ckpt``, safetensors) from the
+bytes, not the file name, indexes it and hands out numpy arrays on demand. Nothing is read
+eagerly except record headers, so opening a 10 GB shard costs milliseconds and little memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Literal
+
+import numpy as np
+
+from ckptd.errors import (
+    CkptdError,
+    CorruptError,
+    KeyRequiredError,
+    NotEncryptedError,
+    UnknownFormatError,
+)
+from ckptd.format import ckpt as ckpt_fmt
+from ckptd.format import crypto
+from ckptd.format import safetensors_format as st_fmt
+from ckptd.format.crc import crc32, parallel_crc32
+from ckptd.format.dtypes import numpy_dtype
+from ckptd.format.entry import TensorEntry
+from ckptd.format.source import ByteSource, MmapSource
+
+Format = Literal["ckpt", "safetensors"]
+
+
+@dataclass(frozen=True)
+class CrcInfo:
+    """A checksum stored in the file; ``covered`` = bytes it covers (ckpt) or None (safetensors)."""
+
+    stored: int
+    covered: int | None
+
+
+@dataclass
+class CheckpointFile:
+    """An opened, indexed checkpoint. Use as a context manager; arrays are read-only views."""
+
+    path: str
+    format: Format
+    encryption: crypto.EncMode | None
+    entries: dict[str, TensorEntry]
+    crc: CrcInfo | None
+    metadata: dict[str, str]
+    problems: tuple[CkptdError, ...]
+    source: ByteSource = field(repr=False)
+    _st_index: Any = field(default=None, repr=False)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CkptdError(f"no entry named {name!r}", path=self.path, hint="list entries with `ckptd inspect`") from None
+
+    def iter_payload(self, name: str) -> Iterator[memoryview]:
+        """The raw payload bytes of an entry, segment by segment (no copies for plain files)."""
+        for off, length in self.entry(name).segments:
+            yield self.source.view(off, length)
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` payload bytes from ``start`` of an entry, across split-record boundaries."""
+        ent = self.entry(name)
+        if start < 0 or length < 0 or start + length > ent.nbytes:
+            raise CkptdError(f"byte range {start}+{length} outside entry {name!r} of {ent.nbytes} bytes", path=self.path)
+        out = bytearray()
+        pos = 0
+        for off, seg_len in ent.segments:
+            lo, hi = max(start, pos), min(start + length, pos + seg_len)
+            if lo < hi:
+                out += self.source.view(off + lo - pos, hi - lo)
+            pos += seg_len
+            if pos >= start + length:
+                break
+        return bytes(out)
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor as a numpy array (raw uint16 bits for BFloat16). Zero-copy when possible."""
+        ent = self.entry(name)
+        if ent.is_string or ent.dtype == ckpt_fmt.MAP_TENSOR_TYPE:
+            raise CkptdError(f"entry {name!r} is a {ent.dtype}, not an array", path=self.path, hint="use value()")
+        dt = numpy_dtype(ent.dtype)
+        expected = ent.expected_nbytes()
+        if expected != ent.nbytes:
+            raise CorruptError(
+                f"tensor {name!r} needs {expected} bytes but holds {ent.nbytes}", path=self.path, offset=ent.record_offset
+            )
+        if len(ent.segments) == 1:
+            buf: Any = self.source.view(*ent.segments[0])
+        else:
+            buf = b"".join(bytes(v) for v in self.iter_payload(name))
+        arr = np.frombuffer(buf, dtype=dt).reshape(ent.shape)
+        arr.flags.writeable = False
+        return arr
+
+    def value(self, name: str) -> Any:
+        """Python value of an ``append_dict``-style entry (int/float/bool/str), else the array."""
+        ent = self.entry(name)
+        if ent.is_string:
+            try:
+                return ckpt_fmt.decode_string(b"".join(bytes(v) for v in self.iter_payload(name)))
+            except CkptdError as exc:
+                raise exc.with_path(self.path) from None
+        arr = self.array(name)
+        return arr.item() if ent.is_scalar and ent.dtype not in ("BFloat16", "Int4") else arr
+
+    # --- integrity -----------------------------------------------------------------------------
+
+    def compute_crc(self, workers: int | None = None) -> int:
+        """The CRC MindSpore would compute for this file's content (needs a full read)."""
+        if self.format == "safetensors":
+            return st_fmt.compute_crc(self.source, self._st_index)
+        assert self.crc is not None and self.crc.covered is not None
+        if isinstance(self.source, MmapSource):
+            self.source.advise_sequential()
+            return parallel_crc32(self.source.view(0, self.crc.covered), workers)
+        value, done = 0, 0
+        for block in self.source.iter_plaintext():  # type: ignore[attr-defined]
+            take = min(len(block), self.crc.covered - done)
+            value = crc32(block[:take], value)
+            done += take
+            if done >= self.crc.covered:
+                break
+        return value
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self) -> "CheckpointFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "encryption": self.encryption.value if self.encryption else None,
+            "size": os.path.getsize(self.path),
+            "entries": len(self.entries),
+            "crc": None if self.crc is None else {"stored": self.crc.stored},
+            "metadata": self.metadata,
+        }
+
+
+def sniff_format(path: str) -> tuple[Format, crypto.EncMode | None]:
+    """Decide the format from the first bytes (file names lie; MindSpore writes ``.ckpt`` either way)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except FileNotFoundError:
+        raise CkptdError("no such file", path=path, hint="check the path") from None
+    except IsADirectoryError:
+        raise CkptdError("is a directory, not a checkpoint file", path=path) from None
+    except PermissionError:
+        raise CkptdError("permission denied", path=path, hint="run as a user that can read the file") from None
+    if not head:
+        return "ckpt", None  # indexing reports the empty file precisely
+    mode = crypto.sniff_encryption(head)
+    if mode is not None:
+        return "ckpt", mode
+    if st_fmt.sniff_safetensors(head, size):
+        return "safetensors", None
+    if head[0] == 0x0A:  # field 1, length-delimited: a Checkpoint record
+        return "ckpt", None
+    raise UnknownFormatError(f"not a MindSpore checkpoint (starts with bytes {head[:8].hex(' ')})", path=path, offset=0)
+
+
+def open_checkpoint(
+    path: str | os.PathLike[str],
+    key: bytes | None = None,
+    *,
+    mode: crypto.EncMode | None = None,
+    workers: int | None = None,
+) -> CheckpointFile:
+    """Open and index a checkpoint. ``key`` decrypts encrypted ``.ckpt`` files (mode auto-detected)."""
+    path = os.fspath(path)
+    fmt, enc = sniff_format(path)
+    if enc is None and key is not None:
+        raise NotEncryptedError(f"file is a plaintext {fmt} file but a key was given", path=path)
+    if enc is not None and key is None:
+        raise KeyRequiredError(f"file is {enc.value} encrypted", path=path)
+    source: ByteSource
+    try:
+        if enc is not None:
+            assert key is not None
+            source = crypto.EncryptedSource(path, key, mode or enc, workers=workers)
+        else:
+            source = MmapSource(path)
+    except CkptdError as exc:
+        raise exc.with_path(path) from None
+    try:
+        if fmt == "safetensors":
+            sti = st_fmt.index_safetensors(source)
+            crc = None if sti.crc_stored is None else CrcInfo(sti.crc_stored, None)
+            entries = {e.name: e for e in sti.entries}
+            return CheckpointFile(path, fmt, None, entries, crc, dict(sti.metadata), (), source, sti)
+        idx = ckpt_fmt.index_ckpt(source)
+        crc = None if idx.crc is None else CrcInfo(idx.crc.stored, idx.crc.offset)
+        problems = tuple(p.with_path(path) for p in idx.problems)
+        trailer = getattr(source, "trailer", b"")
+        meta = {"trailing_plaintext": trailer.hex()} if trailer else {}
+        return CheckpointFile(path, fmt, enc, idx.entries, crc, meta, problems, source)
+    except CkptdError as exc:
+        source.close()
+        raise exc.with_path(path) from None
+    except BaseException:
+        source.close()
+        raise
+
+
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    items: Iterable[tuple[str, Any]],
+    *,
+    crc: bool = False,
+    enc_key: bytes | None = None,
+    enc_mode: crypto.EncMode | str = crypto.EncMode.AES_GCM,
+    overwrite: bool = False,
+    block_size: int = crypto.ENCRYPT_BLOCK_SIZE,
+) -> None:
+    """Atomically write a ``.ckpt`` that ``mindspore.load_checkpoint`` loads.
+
+    With ``enc_key`` the plaintext stream is encrypted in MindSpore's block format. With both
+    ``enc_key`` and ``crc`` the CRC trailer goes *inside* the plaintext, where MindSpore's loader
+    looks for it after decrypting (MindSpore's own writer puts it outside, producing files it
+    cannot load itself; see docs/FORMATS.md).
+    """
+    from ckptd.format.atomic import atomic_write
+
+    with atomic_write(path, overwrite=overwrite) as fh:
+        if enc_key is None:
+            ckpt_fmt.write_ckpt_stream(fh, items, crc=crc)
+            return
+        mode = crypto.EncMode(enc_mode)
+        crypto.validate_key(enc_key, mode)
+        writer = crypto.EncryptingWriter(fh, enc_key, mode, block_size=block_size)
+        ckpt_fmt.write_ckpt_stream(writer, items, crc=crc)  # type: ignore[arg-type]
+        writer.close()
