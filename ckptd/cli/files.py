@@ -33,6 +33,9 @@ def register(sub: Any) -> None:
     v.add_argument("paths", nargs="+", metavar="PATH", help="files, or directories searched for *.ckpt/*.safetensors")
     v.add_argument("--key-file", metavar="F", help="file holding the raw decryption key bytes")
     v.add_argument("--json", action="store_true", help="machine-readable output (schema ckptd.verify/1)")
+    v.add_argument(
+        "--require-crc", action="store_true", help="treat a .ckpt without a CRC trailer as invalid (catches cuts at record boundaries)"
+    )
     v.set_defaults(handler=cmd_verify)
 
 
@@ -132,7 +135,7 @@ def _problem_line(report: FileReport, code: str, message: str, offset: int | Non
 
 def cmd_verify(args: argparse.Namespace) -> int:
     key = _key(args)
-    reports = [verify_file(p, key) for p in expand_paths(args.paths)]
+    reports = [verify_file(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
     ok = all(r.ok for r in reports)
     if args.json:
         json.dump({"schema": VERIFY_SCHEMA, "ok": ok, "files": [r.to_dict() for r in reports]}, sys.stdout, indent=2)

@@ -120,8 +120,7 @@ class CheckpointFile:
             return st_fmt.compute_crc(self.source, self._st_index)
         assert self.crc is not None and self.crc.covered is not None
         if isinstance(self.source, MmapSource):
-            self.source.advise_sequential()
-            return parallel_crc32(self.source.view(0, self.crc.covered), workers)
+            return parallel_crc32(self.source.view(0, self.crc.covered), workers, release=self.source.release)
         value, done = 0, 0
         for block in self.source.iter_plaintext():  # type: ignore[attr-defined]
             take = min(len(block), self.crc.covered - done)

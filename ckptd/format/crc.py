@@ -62,15 +62,32 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def parallel_crc32(buf: memoryview, workers: int | None = None, chunk: int = 32 << 20) -> int:
-    """CRC-32 of ``buf`` using up to ``workers`` threads (default: CPU count)."""
+def parallel_crc32(
+    buf: memoryview,
+    workers: int | None = None,
+    chunk: int = 64 << 20,
+    release: Callable[[int, int], None] | None = None,
+) -> int:
+    """CRC-32 of ``buf`` using up to ``workers`` threads (default: CPU count).
+
+    ``release(offset, length)`` is called after each chunk is done (e.g. to unmap its pages).
+    """
     n = len(buf)
     workers = workers or os.cpu_count() or 1
+    pieces = [(off, min(chunk, n - off)) for off in range(0, n, chunk)] or [(0, 0)]
+
+    def one(piece: tuple[int, int]) -> int:
+        off, length = piece
+        value = crc32(buf[off : off + length])
+        if release is not None:
+            release(off, length)
+        return value
+
     if workers <= 1 or n < _MIN_PARALLEL:
-        return crc32(buf)
-    pieces = [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        crcs = list(pool.map(lambda p: crc32(buf[p[0] : p[0] + p[1]]), pieces))
+        crcs = [one(p) for p in pieces]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            crcs = list(pool.map(one, pieces))
     total = crcs[0]
     for (_, length), part in zip(pieces[1:], crcs[1:]):
         total = crc32_combine(total, part, length)

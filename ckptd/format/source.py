@@ -50,9 +50,18 @@ class MmapSource:
             self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             self._buf = memoryview(self._mm)
 
-    def advise_sequential(self) -> None:
-        if self._mm is not None and hasattr(self._mm, "madvise"):
-            self._mm.madvise(mmap.MADV_SEQUENTIAL)
+    def release(self, offset: int, length: int) -> None:
+        """Drop our mapping of pages already processed so RSS stays flat during full-file scans.
+
+        The pages stay in the page cache; this only unmaps them from this process (MADV_DONTNEED
+        on a read-only file mapping never loses data).
+        """
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(offset + length, self.size)
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:

@@ -63,8 +63,19 @@ class FileReport:
         }
 
 
-def verify_file(path: str | os.PathLike[str], key: bytes | None = None, *, workers: int | None = None) -> FileReport:
-    """Check a file completely; never raises for bad file content (it becomes a problem)."""
+def verify_file(
+    path: str | os.PathLike[str],
+    key: bytes | None = None,
+    *,
+    require_crc: bool = False,
+    workers: int | None = None,
+) -> FileReport:
+    """Check a file completely; never raises for bad file content (it becomes a problem).
+
+    A ``.ckpt`` cut exactly at a record boundary is indistinguishable from a shorter complete
+    file (the format has no header or count). ``require_crc`` closes that gap for jobs that save
+    with ``crc_check=True``: a missing trailer is then a problem, not a shrug.
+    """
     report = FileReport(path=os.fspath(path))
     try:
         report.size = os.path.getsize(report.path)
@@ -82,6 +93,15 @@ def verify_file(path: str | os.PathLike[str], key: bytes | None = None, *, worke
         for prob in ckpt.problems:
             report.add(prob)
         _check_content(ckpt, report, workers)
+        if require_crc and ckpt.crc is None:
+            report.add(
+                CorruptError(
+                    "no CRC stored although one is required: the file may be cut short at a record boundary",
+                    path=ckpt.path,
+                    offset=report.size,
+                    hint="save with crc_check=True, or verify without --require-crc",
+                )
+            )
     return report
 
 
