@@ -1,0 +1,498 @@
+"""MindSpore's ``save_checkpoint(..., format="safetensors")`` files, read and written without ``safetensors``.
+
+Layout (standard safetensors, see docs/FORMATS.md section E): 8-byte little-endian header length
+``n``; ``n`` bytes of UTF-8 JSON ``{"__metadata__": {...}, name: {"dtype", "shape",
+"data_offsets": [begin, end]}, ...}`` padded with spaces to a multiple of 8; then the raw C-order
+little-endian tensor bytes, offsets relative to the end of the header, with no holes.
+
+We parse it ourselves over the :class:`ByteSource` (an mmap) because the daemon must index
+multi-GB shards without materialising them, must report *where* a file is damaged, and must stay
+lean (the ``safetensors`` wheel is only a test-time second opinion).
+
+MindSpore specifics:
+
+* ``__metadata__`` always has ``"format": "ms"`` (when there is at least one tensor), plus
+  ``"remove_redundancy": "True"|"False"`` when that kwarg was given, ``"<name>": "Int4"`` for
+  qint4x2 tensors (stored as ``I8``) and ``"crc_num": "<decimal>"`` with ``crc_check=True``.
+* The CRC is ``zlib.crc32`` chained over the tensors in sorted-name order: the UTF-8 name, then
+  ``bytes(ndarray)``. ``bytes()`` of a 0-d *integer* array calls ``__index__``: it yields
+  ``int(a)`` zero bytes rather than the array's bytes (MindSpore fails with "negative count" for
+  negative values and runs out of memory for huge ones). 0-d bool/float arrays use their bytes.
+* ``safetensors`` writes ``__metadata__`` from a Rust ``HashMap``: its key order is random per
+  process, so two MindSpore saves of the same tensors differ in that order. We write the keys in
+  the order MindSpore inserts them (format, remove_redundancy, Int4 names sorted, crc_num); every
+  other byte (tensor order, offsets, separators, padding, data) is identical.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ckptd.errors import CkptdError, CorruptError, FormatError, TruncatedError, UnsupportedDtypeError
+from ckptd.format import dtypes as dt
+from ckptd.format.atomic import atomic_write
+from ckptd.format.crc import crc32, crc32_combine, parallel_crc32
+from ckptd.format.entry import TensorEntry
+from ckptd.format.source import ByteSource
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""Largest JSON header accepted (the Rust reference rejects > 100 MB too): bounds our allocation."""
+
+METADATA_KEY = "__metadata__"
+INT4_MARKER = "Int4"
+
+#: safetensors' ``Dtype`` enum order (increasing alignment); files list tensors by descending rank, then name.
+_ST_DTYPE_RANK = {
+    name: rank
+    for rank, name in enumerate(("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"))
+}
+
+#: MindSpore dtypes whose 0-d numpy arrays hit the ``bytes(int)`` quirk in the CRC.
+_INDEX_QUIRK_DTYPES = frozenset({"Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Int4"})
+_SIGNED = frozenset({"Int8", "Int16", "Int32", "Int64", "Int4"})
+_MAX_SSIZE = 2**63 - 1  # bytes(n) needs n to fit a Py_ssize_t
+_PARALLEL_CRC_MIN = 64 << 20
+
+
+@dataclass(frozen=True)
+class SafetensorsIndex:
+    """What a safetensors file holds.
+
+    ``entries`` are sorted by name — the order MindSpore hashes (CRC) and loads them — not by data
+    offset (safetensors stores larger-alignment dtypes first). Each entry has exactly one segment.
+    ``metadata`` is ``__metadata__`` ({} when absent); ``data_start`` = 8 + header length;
+    ``crc_stored`` = the parsed ``crc_num`` or None.
+    """
+
+    entries: list[TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+    crc_stored: int | None
+
+    def entry(self, name: str) -> TensorEntry:
+        """Linear lookup (callers wanting many lookups build ``{e.name: e for e in entries}``)."""
+        for ent in self.entries:
+            if ent.name == name:
+                return ent
+        raise CkptdError(f"no tensor named {name!r}", hint="list entries with `ckptd inspect`")
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def sniff_safetensors(head: bytes, file_size: int) -> bool:
+    """Whether ``head`` (the first >= 9 bytes) starts a safetensors file.
+
+    True when the length field is plausible (2..MAX_HEADER_BYTES) and the JSON starts with ``{``.
+    The file size is deliberately *not* required to cover the header: a truncated safetensors
+    file should be indexed (and reported as truncated), not called an unknown format. Protobuf
+    ``.ckpt`` files (0x0A, a varint, 0x0A, the name length, the name...) and encrypted ones
+    (magic ``D8 5E 3A 7F``) read as lengths far beyond the limit, so they cannot match.
+    """
+    if len(head) < 9 or file_size < 9:
+        return False
+    (n,) = struct.unpack_from("<Q", head, 0)
+    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
+
+
+def index_safetensors(source: ByteSource) -> SafetensorsIndex:
+    """Parse and validate the header; never reads tensor data.
+
+    Raises :class:`TruncatedError` when the file is shorter than its header says,
+    :class:`UnsupportedDtypeError` for dtypes MindSpore does not write, and :class:`CorruptError`
+    for everything else malformed; each carries the absolute byte offset of the problem.
+    """
+    size = source.size
+    if size < 8:
+        raise TruncatedError(f"file has {size} bytes; a safetensors file starts with an 8-byte header length", offset=size)
+    (n,) = struct.unpack("<Q", bytes(source.view(0, 8)))
+    if n > MAX_HEADER_BYTES:
+        raise CorruptError(f"header length field says {n} bytes (limit {MAX_HEADER_BYTES})", offset=0)
+    if n < 2:
+        raise CorruptError(f"header length field says {n} bytes; the smallest header is '{{}}'", offset=0)
+    data_start = 8 + n
+    if data_start > size:
+        raise TruncatedError(f"header needs bytes 8..{data_start} but the file has {size}", offset=size)
+    raw = bytes(source.view(8, n))
+    header = _parse_header(raw)
+    metadata = _parse_metadata(header.pop(METADATA_KEY, None), raw)
+    entries = [_parse_entry(name, info, metadata, raw, data_start) for name, info in header.items()]
+    _check_coverage(entries, data_start, size)
+    entries.sort(key=lambda e: e.name)
+    return SafetensorsIndex(entries, metadata, data_start, _parse_crc(metadata, raw))
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptError(f"header is not UTF-8 ({exc.reason})", offset=8 + exc.start) from None
+    if not text.startswith("{"):
+        raise CorruptError("header is not a JSON object (does not start with '{')", offset=8)
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise _DuplicateKey(key)
+            out[key] = value
+        return out
+
+    try:
+        header = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=_reject_constant)
+    except _DuplicateKey as exc:
+        raise CorruptError(f"header names {exc.key!r} twice", offset=_key_offset(raw, exc.key)) from None
+    except json.JSONDecodeError as exc:
+        offset = 8 + len(text[: exc.pos].encode("utf-8"))
+        raise CorruptError(f"header is not valid JSON: {exc.msg}", offset=offset) from None
+    except (ValueError, RecursionError) as exc:  # huge int literals, absurd nesting, NaN/Infinity
+        raise CorruptError(f"header is not valid JSON: {exc}", offset=8) from None
+    if not isinstance(header, dict):
+        raise CorruptError("header is not a JSON object", offset=8)
+    return header
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _key_offset(raw: bytes, key: str) -> int:
+    """Best-effort absolute offset of ``"key":`` in the header (8 = header start if not found)."""
+    pos = raw.find(json.dumps(key, ensure_ascii=False).encode("utf-8", "surrogatepass") + b":")
+    return 8 + max(pos, 0)
+
+
+def _parse_metadata(value: Any, raw: bytes) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) and _is_unicode(v) and _is_unicode(k) for k, v in value.items()):
+        raise CorruptError("__metadata__ must map strings to strings", offset=_key_offset(raw, METADATA_KEY))
+    return dict(value)
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(name: str, info: Any, metadata: dict[str, str], raw: bytes, data_start: int) -> TensorEntry:
+    def fail(message: str, cls: type[CkptdError] = CorruptError) -> CkptdError:
+        # the key's position is only searched for on error: a find per entry would be quadratic
+        return cls(f"tensor {name!r}: {message}", offset=_key_offset(raw, name))
+
+    if not _is_unicode(name):
+        raise fail("name is not valid Unicode (lone surrogate escape)")
+    if not isinstance(info, dict):
+        raise fail("header entry is not an object")
+    st_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(st_dtype, str):
+        raise fail("no string 'dtype'")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise fail("'shape' must be a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+        raise fail("'data_offsets' must be [begin, end] non-negative integers")
+    try:
+        ms_dtype = dt.ms_name_from_safetensors(st_dtype)
+    except UnsupportedDtypeError as exc:
+        raise fail(exc.message, UnsupportedDtypeError) from None
+    if metadata.get(name) == INT4_MARKER:
+        if st_dtype != "I8":
+            raise fail(f"marked Int4 in __metadata__ but stored as {st_dtype}, not I8")
+        ms_dtype = INT4_MARKER
+    begin, end = offsets
+    if end < begin:
+        raise fail(f"data_offsets end {end} < begin {begin}")
+    expected = math.prod(shape) * dt.itemsize(ms_dtype)
+    if end - begin != expected:
+        raise fail(f"{st_dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}")
+    return TensorEntry(name, ms_dtype, tuple(shape), ((data_start + begin, end - begin),), data_start + begin)
+
+
+def _is_unicode(text: str) -> bool:
+    """JSON may escape lone surrogates (Python accepts them, serde_json does not): reject them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_coverage(entries: list[TensorEntry], data_start: int, size: int) -> None:
+    """Tensors must tile the data region exactly (safetensors spec: no overlaps, no holes)."""
+    pos = data_start
+    for ent in sorted(entries, key=lambda e: e.segments[0]):
+        begin, length = ent.segments[0]
+        if begin < pos:
+            raise CorruptError(f"tensor {ent.name!r} overlaps the previous tensor's data", offset=begin)
+        if begin > pos:
+            raise CorruptError(f"bytes {pos}..{begin} before tensor {ent.name!r} belong to no tensor", offset=pos)
+        pos = begin + length
+    if pos > size:
+        raise TruncatedError(f"tensor data needs bytes up to {pos} but the file has {size}", offset=size)
+    if pos < size:
+        raise CorruptError(f"{size - pos} trailing bytes after the last tensor belong to no tensor", offset=pos)
+
+
+def _parse_crc(metadata: dict[str, str], raw: bytes) -> int | None:
+    text = metadata.get("crc_num")
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and int(text) < 2**32):
+        raise CorruptError(f"__metadata__ crc_num {text!r} is not a decimal CRC-32", offset=_key_offset(raw, "crc_num"))
+    return int(text)
+
+
+def array_view(source: ByteSource, entry: TensorEntry) -> np.ndarray:
+    """Read-only numpy view of an entry (raw uint16 bits for BFloat16, int8 storage for Int4)."""
+    (offset, length), = entry.segments
+    arr = np.frombuffer(source.view(offset, length), dtype=dt.numpy_dtype(entry.dtype)).reshape(entry.shape)
+    arr.flags.writeable = False
+    return arr
+
+
+# --- CRC ---------------------------------------------------------------------------------------
+
+
+def crc32_zeros(crc: int, count: int) -> int:
+    """``zlib.crc32(bytes(count), crc)`` in O(log count) without allocating ``count`` bytes."""
+    if count <= 0:
+        return crc
+    # Appending zeros is linear on the inverted register: shift(~crc) then invert back.
+    return crc32_combine(crc ^ 0xFFFFFFFF, 0, count) ^ 0xFFFFFFFF
+
+
+def _scalar_index(ms_dtype: str, raw: bytes | memoryview, name: str) -> int:
+    """The length ``bytes()`` gives a 0-d integer array, or an error where MindSpore's own fails."""
+    value = int.from_bytes(raw, "little", signed=ms_dtype in _SIGNED)
+    if value < 0:
+        raise FormatError(
+            f"MindSpore's CRC is undefined for the negative 0-d integer {name!r} = {value}",
+            hint="MindSpore's bytes(ndarray) fails with 'negative count' here; save this value without crc_check",
+        )
+    if value > _MAX_SSIZE:
+        raise FormatError(
+            f"MindSpore's CRC is undefined for the 0-d integer {name!r} = {value} (> 2**63-1)",
+            hint="MindSpore's bytes(ndarray) overflows here; save this value without crc_check",
+        )
+    return value
+
+
+def _crc_step(crc: int, data: memoryview, workers: int | None) -> int:
+    if len(data) >= _PARALLEL_CRC_MIN and workers != 1:
+        return crc32_combine(crc, parallel_crc32(data, workers), len(data))
+    return crc32(data, crc)
+
+
+def compute_crc(source: ByteSource, index: SafetensorsIndex, *, workers: int | None = None) -> int:
+    """MindSpore's ``crc_num`` for this file's content, streamed over the source (no copies).
+
+    The 0-d integer quirk is reproduced in O(log n) without allocating. BFloat16 tensors are
+    hashed by their raw bytes; MindSpore itself cannot hash them (numpy refuses a buffer for its
+    bfloat16 dtype), so it never writes such a CRC nor verifies one (``crc_check`` load fails).
+    """
+    crc = 0
+    for ent in sorted(index.entries, key=lambda e: e.name):
+        crc = crc32(ent.name.encode("utf-8"), crc)
+        (offset, length), = ent.segments
+        view = source.view(offset, length)
+        if ent.shape == () and ent.dtype in _INDEX_QUIRK_DTYPES:
+            try:
+                crc = crc32_zeros(crc, _scalar_index(ent.dtype, view, ent.name))
+            except CkptdError as exc:
+                exc.offset = offset
+                exc.args = (str(exc),)
+                raise
+        else:
+            crc = _crc_step(crc, view, workers)
+    return crc
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str
+    ms_dtype: str
+    array: np.ndarray  # C-contiguous, storage dtype
+
+    @property
+    def st_dtype(self) -> str:
+        return dt.safetensors_name(self.ms_dtype)
+
+
+def _as_item(name: Any, value: Any, forced: str | None) -> _Item:
+    if not isinstance(name, str):
+        raise CkptdError(f"tensor name {name!r} is not a string")
+    if name == METADATA_KEY:
+        raise CkptdError(f"{METADATA_KEY!r} is reserved by safetensors and cannot name a tensor")
+    if not _is_unicode(name):
+        raise CkptdError(f"tensor name {name!r} is not valid Unicode (lone surrogate)")
+    typed = getattr(value, "dtype", None)
+    if isinstance(typed, str) and hasattr(value, "data"):  # ckptd TypedArray(dtype, data)
+        forced, value = forced or typed, value.data
+    if isinstance(value, bool):
+        arr = np.array(value, dtype="?")
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise CkptdError(f"{name!r}: integer {value} does not fit Int64")
+        arr = np.array(value, dtype="<i8")  # MindSpore: Tensor(int) is Int64
+    elif isinstance(value, float):
+        arr = np.array(value, dtype="<f4")  # MindSpore: Tensor(float) is Float32
+    elif isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "__array__"):
+        arr = np.asarray(value)
+    else:
+        raise CkptdError(f"cannot write {name!r} of type {type(value).__name__}", hint="pass numpy arrays")
+    if forced is None:
+        ms_dtype = dt.ms_name_for(arr.dtype)
+    else:
+        storage = dt.numpy_dtype(forced)
+        ms_dtype = forced
+        hint = "BFloat16 takes uint16 bits, Int4 int8 storage; other dtypes must match the array (cast it first)"
+        if arr.dtype.byteorder == ">" or arr.dtype.itemsize != storage.itemsize or arr.dtype.kind not in "biuf":
+            raise UnsupportedDtypeError(
+                f"{name!r}: declared {forced} needs {storage.itemsize}-byte little-endian storage, got {arr.dtype}", hint=hint
+            )
+        if forced not in ("BFloat16", "Int4") and dt.ms_name_for(arr.dtype) != forced:
+            raise UnsupportedDtypeError(f"{name!r}: declared {forced} but the array is {arr.dtype}", hint=hint)
+        arr = arr.view(storage) if arr.dtype != storage else arr
+    # not np.ascontiguousarray: it turns 0-d arrays into shape (1,)
+    return _Item(name, ms_dtype, arr if arr.flags.c_contiguous else arr.copy(order="C"))
+
+
+def _collect(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], forced: Mapping[str, str]) -> list[_Item]:
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    items: list[_Item] = []
+    seen: set[str] = set()
+    for pair in pairs:
+        try:
+            name, value = pair
+        except (TypeError, ValueError):
+            raise CkptdError(f"expected (name, array) pairs, got {type(pair).__name__}") from None
+        if name in seen:
+            raise CkptdError(f"tensor name {name!r} given twice")
+        seen.add(name)
+        items.append(_as_item(name, value, forced.get(name)))
+    unknown = set(forced) - seen
+    if unknown:
+        raise CkptdError(f"dtypes given for unknown tensors: {sorted(unknown)}")
+    return items
+
+
+def _raw_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def crc_of_items(items: Iterable[tuple[str, str, np.ndarray]]) -> int:
+    """MindSpore's CRC over (name, MindSpore dtype, contiguous storage array), in the given order."""
+    crc = 0
+    for name, ms_dtype, arr in items:
+        crc = crc32(name.encode("utf-8"), crc)
+        if arr.shape == () and ms_dtype in _INDEX_QUIRK_DTYPES:
+            crc = crc32_zeros(crc, _scalar_index(ms_dtype, arr.tobytes(), name))
+        else:
+            crc = crc32(_raw_bytes(arr), crc)
+    return crc
+
+
+def _ms_metadata(items: list[_Item], metadata: Mapping[str, str] | None, crc: int | None) -> dict[str, str]:
+    """The ``__metadata__`` MindSpore's ``_exec_save`` builds, in its insertion order."""
+    meta = {"format": "ms"}
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CkptdError(f"metadata must map str to str, got {key!r}: {value!r}")
+        meta[key] = value
+    for item in sorted(items, key=lambda i: i.name):
+        if item.ms_dtype == INT4_MARKER:
+            meta[item.name] = INT4_MARKER
+    if crc is not None:
+        meta["crc_num"] = str(crc)
+    for key, value in meta.items():
+        if not (_is_unicode(key) and _is_unicode(value)):
+            raise CkptdError(f"metadata entry {key!r} is not valid Unicode")
+    return meta
+
+
+def _json_str(text: str) -> str:
+    # serde_json escapes exactly what json.dumps(ensure_ascii=False) does: " \\ and C0 controls
+    # (\b \f \n \r \t short, others \u00xx lowercase); non-ASCII, DEL and '/' stay raw.
+    return json.dumps(text, ensure_ascii=False)
+
+
+def encode_header(metadata: Mapping[str, str] | None, layout: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
+    """serde_json's compact header for (name, safetensors dtype, shape, begin, end) in file order.
+
+    No spaces, ``__metadata__`` first (omitted when None), keys dtype/shape/data_offsets, then
+    padded with spaces to a multiple of 8 so that the data starts 8-aligned.
+    """
+    parts = []
+    if metadata is not None:
+        body = ",".join(f"{_json_str(k)}:{_json_str(v)}" for k, v in metadata.items())
+        parts.append(f'"{METADATA_KEY}":{{{body}}}')
+    for name, st_dtype, shape, begin, end in layout:
+        dims = ",".join(str(d) for d in shape)
+        parts.append(f'{_json_str(name)}:{{"dtype":"{st_dtype}","shape":[{dims}],"data_offsets":[{begin},{end}]}}')
+    raw = ("{" + ",".join(parts) + "}").encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _file_order(items: Iterable[_Item]) -> list[_Item]:
+    """safetensors' data order: descending dtype alignment rank, then name (UTF-8 byte order)."""
+    return sorted(items, key=lambda i: (-_ST_DTYPE_RANK[i.st_dtype], i.name))
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    crc: bool = False,
+    dtypes: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Atomically write the file MindSpore's ``save_checkpoint(format="safetensors")`` writes.
+
+    ``tensors`` are (name, value) pairs (or a mapping): numpy arrays, ckptd ``TypedArray``, or
+    Python bool/int/float (like ``append_dict``: Bool/Int64/Float32). ``dtypes[name]`` declares
+    the MindSpore dtype when numpy cannot (``"BFloat16"`` for uint16 bits, ``"Int4"`` for int8
+    storage). ``metadata`` adds keys after ``"format": "ms"`` (e.g. ``{"remove_redundancy":
+    "True"}``); Int4 markers and ``crc_num`` (with ``crc``) are added as MindSpore does. With no
+    tensors the header is ``{}`` (MindSpore passes no metadata then).
+
+    Arrays are referenced, not copied (except non-contiguous ones), and streamed to disk after
+    the header; the output matches MindSpore's bytes except for ``__metadata__`` key order, which
+    safetensors randomises (see module doc).
+    """
+    items = _collect(tensors, dtypes or {})
+    crc_value = crc_of_items((i.name, i.ms_dtype, i.array) for i in sorted(items, key=lambda i: i.name)) if crc else None
+    meta = _ms_metadata(items, metadata, crc_value) if items else None
+    ordered = _file_order(items)
+    layout = []
+    pos = 0
+    for item in ordered:
+        layout.append((item.name, item.st_dtype, tuple(item.array.shape), pos, pos + item.array.nbytes))
+        pos += item.array.nbytes
+    header = encode_header(meta, layout)
+    with atomic_write(path, overwrite=overwrite) as fh:
+        _stream(fh, header, ordered)
+
+
+def _stream(fh: BinaryIO, header: bytes, ordered: list[_Item]) -> None:
+    fh.write(struct.pack("<Q", len(header)))
+    fh.write(header)
+    for item in ordered:
+        if item.array.nbytes:
+            fh.write(_raw_bytes(item.array))
