@@ -115,18 +115,21 @@ class CheckpointFile:
     # --- integrity -----------------------------------------------------------------------------
 
     def compute_crc(self, workers: int | None = None) -> int:
-        """The CRC MindSpore would compute for this file's content (needs a full read)."""
+        """The CRC MindSpore would compute for this file's content (needs a full read).
+
+        For a ``.ckpt`` without a trailer it is the CRC of all records (what a trailer would hold).
+        """
         if self.format == "safetensors":
-            return st_fmt.compute_crc(self.source, self._st_index)
-        assert self.crc is not None and self.crc.covered is not None
+            return st_fmt.compute_crc(self.source, self._st_index, workers=workers)
+        covered = self.crc.covered if self.crc is not None and self.crc.covered is not None else self.source.size
         if isinstance(self.source, MmapSource):
-            return parallel_crc32(self.source.view(0, self.crc.covered), workers, release=self.source.release)
+            return parallel_crc32(self.source.view(0, covered), workers, release=self.source.release)
         value, done = 0, 0
         for block in self.source.iter_plaintext():  # type: ignore[attr-defined]
-            take = min(len(block), self.crc.covered - done)
+            take = min(len(block), covered - done)
             value = crc32(block[:take], value)
             done += take
-            if done >= self.crc.covered:
+            if done >= covered:
                 break
         return value
 
