@@ -32,7 +32,7 @@ def run(*args: str) -> int:
     return subprocess.call([*CKPTD, *args])
 
 
-def llama_params(rank: int, tp: int = 2, d: int = 256, vocab: int = 512, layers: int = 2) -> dict[str, np.ndarray]:
+def llama_params(rank: int, tp: int = 2, d: int = 256, vocab: int = 512, layers: int = 1) -> dict[str, np.ndarray]:
     """One tensor-parallel rank's slice of a tiny Llama: column-parallel qkv/gate/up, row-parallel o/down."""
     rng = np.random.default_rng(rank)
     p: dict[str, np.ndarray] = {"embed.weight": rng.standard_normal((vocab // tp, d), np.float32)}
@@ -79,7 +79,7 @@ def main() -> int:
     banner("2. ckptd inspects a shard (no MindSpore involved)")
     run("inspect", str(run_dir / "rank_0" / "llama-1_200.ckpt"))
     banner("   ... and an encrypted one, with the key file")
-    run("inspect", str(run_dir / "rank_1" / "llama_enc-1_200.ckpt"), "--key-file", str(OUT / "ckpt.key"), "--json")
+    run("inspect", str(run_dir / "rank_1" / "llama_enc-1_200.ckpt"), "--key-file", str(OUT / "ckpt.key"))
 
     banner("3. ckptd verifies every plaintext shard completely (structure + CRC)")
     run("verify", *[str(p) for p in sorted(run_dir.rglob("llama-1_200.*"))])
