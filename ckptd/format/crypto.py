@@ -270,7 +270,10 @@ class EncryptedSource:
     def _decrypt(self, idx: int, out: bytearray) -> memoryview:
         if self._closed:  # a read-ahead worker racing close(): fail cleanly, the map may be gone
             raise CkptdError("the encrypted source was closed while reading", path=self.path)
-        view = decrypt_into(self.mode, self._key, self._buf, self.blocks[idx], out)
+        block = self.blocks[idx]
+        view = decrypt_into(self.mode, self._key, self._buf, block, out)
+        # unmap the ciphertext just consumed: RSS stays flat however large the file (page cache keeps it)
+        self._raw.release(block.file_offset, block.cipher_offset + block.cipher_len - block.file_offset)
         if self.mode is EncMode.AES_GCM:
             self._key_confirmed = True
         return view

@@ -1,0 +1,167 @@
+"""Step-level checks: do the shards of one save form one consistent checkpoint?
+
+Runs once every shard of a step is verified. Reports *all* problems (per rank), like restic:
+
+* every expected rank present exactly once, no rank outside the world, and a shard that records
+  its rank (``rank_id``) sits in that rank's directory;
+* all shards carry the same global step (``global_step`` / ``step_num`` entries);
+* every parameter the strategy assigns to a rank is in that rank's file with exactly the slice
+  shape the strategy implies (the full shape is inferred from each rank and must agree);
+* ranks that hold identical replicas of a parameter hold identical bytes (sampled or full).
+Reads only record headers, plus the payloads of the compared replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import xxhash
+
+from ckptd.errors import CkptdError
+from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
+from ckptd.format.layout import full_shape_from_local, local_shape
+from ckptd.format.strategy import Strategy
+
+STEP_ENTRY_NAMES = ("global_step", "step_num", "step")
+RANK_ENTRY_NAMES = ("rank_id", "rank")
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    rank: int
+    path: str
+
+
+def content_step(ckpt: CheckpointFile) -> int | None:
+    """The training step a shard says it holds (optimizer ``global_step`` first)."""
+    for name in STEP_ENTRY_NAMES:
+        ent = ckpt.entries.get(name)
+        if ent is None or ent.is_string or ent.numel != 1 or ent.dtype not in ("Int32", "Int64", "UInt32", "UInt64"):
+            continue
+        try:
+            return int(ckpt.array(name).reshape(-1)[0])
+        except CkptdError:
+            return None
+    return None
+
+
+def content_rank(ckpt: CheckpointFile) -> int | None:
+    """The rank a shard says saved it, when the trainer records one (``append_dict={"rank_id": r}``)."""
+    for name in RANK_ENTRY_NAMES:
+        ent = ckpt.entries.get(name)
+        if ent is not None and ent.is_scalar and ent.dtype in ("Int32", "Int64"):
+            try:
+                return int(ckpt.array(name))
+            except CkptdError:
+                return None
+    return None
+
+
+def _payload_digest(ckpt: CheckpointFile, name: str) -> str:
+    h = xxhash.xxh3_128()
+    for view in ckpt.iter_payload(name):
+        h.update(view)
+    return h.hexdigest()
+
+
+def check_step(
+    shards: list[ShardRef],
+    expected_ranks: int | None,
+    strategy: Strategy | None,
+    key: bytes | None,
+    replica_mode: Literal["off", "sample", "full"] = "sample",
+    sample: int = 8,
+    seed: str = "",
+) -> list[str]:
+    problems: list[str] = []
+    by_rank: dict[int, ShardRef] = {}
+    for ref in shards:
+        if ref.rank in by_rank:
+            problems.append(f"rank {ref.rank} has two shard files: {by_rank[ref.rank].path} and {ref.path}")
+        by_rank[ref.rank] = ref
+    if expected_ranks is not None:
+        missing = sorted(set(range(expected_ranks)) - set(by_rank))
+        extra = sorted(r for r in by_rank if r >= expected_ranks)
+        if missing:
+            problems.append(f"ranks missing: {missing}")
+        if extra:
+            problems.append(f"ranks outside the world of {expected_ranks}: {extra}")
+    opened: dict[int, CheckpointFile] = {}
+    try:
+        for rank, ref in sorted(by_rank.items()):
+            try:
+                opened[rank] = open_checkpoint(ref.path, key)
+            except CkptdError as err:
+                problems.append(f"rank {rank}: {err}")
+        for rank, ck in sorted(opened.items()):
+            claimed = content_rank(ck)
+            if claimed is not None and claimed != rank:
+                problems.append(f"rank {rank}: the file says it was saved by rank {claimed} (shards swapped or misplaced)")
+        steps = {rank: content_step(ck) for rank, ck in opened.items()}
+        if len(set(steps.values())) > 1:
+            problems.append(f"shards disagree on the global step: {dict(sorted(steps.items()))}")
+        if strategy is not None:
+            problems += _check_shapes(opened, strategy)
+            if replica_mode != "off":
+                problems += _check_replicas(opened, strategy, replica_mode, sample, seed)
+    finally:
+        for ck in opened.values():
+            ck.close()
+    return problems
+
+
+def _stage_params(strategy: Strategy, rank: int) -> Mapping[str, object]:
+    stage, _ = strategy.stage_and_local(rank)
+    return {e.name: e for e in strategy.entries if e.stage == stage}
+
+
+def _check_shapes(opened: dict[int, CheckpointFile], strategy: Strategy) -> list[str]:
+    problems: list[str] = []
+    full_shapes: dict[str, tuple[int, ...]] = {}
+    for rank, ck in sorted(opened.items()):
+        if rank >= strategy.world_size:
+            continue
+        for name, e in _stage_params(strategy, rank).items():
+            ent = ck.entries.get(name)
+            if ent is None:
+                problems.append(f"rank {rank}: strategy assigns {name!r} but the shard does not hold it")
+                continue
+            try:
+                full = e.tensor_shape or full_shape_from_local(e.layout, ent.shape)
+                want = local_shape(e.layout, full)
+            except CkptdError as err:
+                problems.append(f"rank {rank}: {name!r} {ent.shape}: {err.message}")
+                continue
+            seen = full_shapes.setdefault(name, full)
+            if seen != full:
+                problems.append(f"rank {rank}: {name!r} implies full shape {full}, other ranks {seen}")
+            elif tuple(ent.shape) != tuple(want):
+                problems.append(f"rank {rank}: {name!r} has shape {ent.shape}, the strategy's slice is {want}")
+    return problems
+
+
+def _check_replicas(
+    opened: dict[int, CheckpointFile], strategy: Strategy, mode: str, sample: int, seed: str
+) -> list[str]:
+    names = sorted({e.name for e in strategy.entries})
+    if mode == "sample" and len(names) > sample:
+        # deterministic per step, different across steps: over time every parameter gets compared
+        names = sorted(names, key=lambda n: hashlib.blake2b((seed + n).encode(), digest_size=8).digest())[:sample]
+    problems: list[str] = []
+    for name in names:
+        ck0 = next((ck for ck in opened.values() if name in ck.entries), None)
+        if ck0 is None:
+            continue
+        try:
+            e = strategy.param(name)
+            full = e.tensor_shape or full_shape_from_local(e.layout, ck0.entries[name].shape)
+            groups = strategy.replicas(name, full)
+        except CkptdError:
+            continue  # shape problems are reported by _check_shapes
+        for group in groups:
+            digests = {r: _payload_digest(opened[r], name) for r in group if r in opened and name in opened[r].entries}
+            if len(set(digests.values())) > 1:
+                problems.append(f"replicas of {name!r} differ across ranks {sorted(digests)}")
+    return problems
