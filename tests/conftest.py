@@ -24,3 +24,44 @@ def ms_save(ms, path, tensors, **kwargs):
     data = [{"name": name, "data": ms.Tensor(arr)} for name, arr in tensors.items()]
     ms.save_checkpoint(data, str(path), **kwargs)
     return path
+
+
+# --- catalog fixtures: every catalog test runs on embedded SQLite and on the real PostgreSQL ---
+
+PG_ADMIN_URL = os.environ.get("CKPTD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def _fresh_pg_database() -> tuple[str, callable]:
+    """A new empty database on the test server (dropped afterwards), so tests never share state."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"ckptd_t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False), drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog_url(request, tmp_path):
+    """An empty, migrated catalog URL."""
+    from ckptd.catalog.db import make_engine, upgrade
+
+    if request.param == "sqlite":
+        url, drop = f"sqlite:///{tmp_path / 'catalog.db'}", (lambda: None)
+    else:
+        url, drop = _fresh_pg_database()
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+    drop()

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ckptd import __version__
-from ckptd.cli import files
+from ckptd.cli import files, service
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ckptd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     files.register(sub)
+    service.register(sub)
     return parser
 
 

@@ -1,0 +1,159 @@
+"""Catalog schema (SQLAlchemy 2.x ORM). Changes go through an alembic migration in migrations/.
+
+Hot tables (``shards``, ``checkpoints``) hold only what the resume oracle and the verifier query;
+per-tensor detail never lives here. Rows are never deleted by verification — history matters
+when someone asks "why did we resume from step 4200?".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    """A training run: one directory under the checkpoint root."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    world_size: Mapped[int | None] = mapped_column(Integer)  # from the strategy file or configuration
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    checkpoints: Mapped[list["Checkpoint"]] = relationship(back_populates="run")
+
+
+class StrategyFile(Base):
+    __tablename__ = "strategy_files"
+    __table_args__ = (UniqueConstraint("run_id", "path"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    path: Mapped[str] = mapped_column(Text)
+    content_hash: Mapped[str] = mapped_column(String(80), index=True)
+    format: Mapped[str] = mapped_column(String(16))
+    world_size: Mapped[int] = mapped_column(Integer)
+    stages: Mapped[int] = mapped_column(Integer, default=1)
+    error: Mapped[str | None] = mapped_column(Text)  # set when the file does not parse
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Checkpoint(Base):
+    """One save of a run: all ranks' shards of (prefix, epoch, step) — or a derived (converted) copy."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "prefix", "epoch", "step", "kind"),
+        Index("ix_checkpoints_run_state_step", "run_id", "state", "step"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    prefix: Mapped[str] = mapped_column(String(255))
+    epoch: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)  # step from the file name
+    kind: Mapped[str] = mapped_column(String(16), default="trained")  # trained | breakpoint | converted
+    global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    expected_ranks: Mapped[int | None] = mapped_column(Integer)
+    strategy_id: Mapped[int | None] = mapped_column(ForeignKey("strategy_files.id"))
+    step_checks_ok: Mapped[bool | None] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(Text)  # why not verified (first failure)
+    derived_from_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    marked_bad: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    run: Mapped[Run] = relationship(back_populates="checkpoints")
+    shards: Mapped[list["Shard"]] = relationship(back_populates="checkpoint")
+
+
+class Shard(Base):
+    """One rank's file of one checkpoint."""
+
+    __tablename__ = "shards"
+    __table_args__ = (Index("ix_shards_checkpoint_rank", "checkpoint_id", "rank"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text, unique=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    mtime_ns: Mapped[int] = mapped_column(BigInteger)
+    inode: Mapped[int] = mapped_column(BigInteger)
+    digest: Mapped[str | None] = mapped_column(String(64))  # fast content digest (xxh3-128) at ingest
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    format: Mapped[str | None] = mapped_column(String(16))
+    encryption: Mapped[str | None] = mapped_column(String(16))
+    crc: Mapped[str | None] = mapped_column(String(16))  # valid | invalid | absent | unchecked
+    global_step: Mapped[int | None] = mapped_column(BigInteger)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error: Mapped[str | None] = mapped_column(Text)
+    quarantined: Mapped[bool] = mapped_column(Boolean, default=False)
+    verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="shards")
+
+
+class VerificationEvent(Base):
+    """Append-only log of every verification outcome (the evidence behind a state)."""
+
+    __tablename__ = "verification_events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    shard_id: Mapped[int | None] = mapped_column(ForeignKey("shards.id"), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(32))  # shard | step | rescan
+    outcome: Mapped[str] = mapped_column(String(16))
+    detail: Mapped[str | None] = mapped_column(Text)
+    seconds: Mapped[float | None] = mapped_column(Float)
+
+
+class StepHealth(Base):
+    """Per-step training health reported by the trainer (used by the resume oracle)."""
+
+    __tablename__ = "step_health"
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    overflow: Mapped[bool] = mapped_column(Boolean, default=False)
+    reported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ConversionJob(Base):
+    """A re-sharding job and the lineage of what it produced."""
+
+    __tablename__ = "conversion_jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    source_checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    output_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    source_strategy_hash: Mapped[str | None] = mapped_column(String(80))
+    target_strategy_hash: Mapped[str | None] = mapped_column(String(80))
+    out_dir: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)

@@ -1,0 +1,80 @@
+"""Configuration: flags > environment (``CKPTD_*``) > config file (``CKPTD_CONFIG``, TOML/JSON) > defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ckptd.errors import CkptdError
+
+
+class ConfigError(CkptdError):
+    code = "config"
+    default_hint = "see `ckptd config show` and docs/CONFIG.md"
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Values from the file named by CKPTD_CONFIG (lowest priority after defaults)."""
+
+    def get_field_value(self, field, field_name):  # noqa: ANN001 - pydantic API
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("CKPTD_CONFIG")
+        if not path:
+            return {}
+        try:
+            raw = Path(path).read_bytes()
+            return tomllib.loads(raw.decode()) if not path.endswith(".json") else json.loads(raw)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read config file: {exc}", path=path) from None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CKPTD_", extra="forbid")
+
+    root: Path = Field(default=Path("checkpoints"), description="checkpoint root: <root>/<run>/rank_<r>/...")
+    db: str | None = Field(default=None, description="catalog URL; default sqlite under ~/.local/share/ckptd")
+    key_file: Path | None = Field(default=None, description="raw encryption key bytes (never stored in the catalog)")
+    key_hex: str | None = Field(default=None, repr=False, description="encryption key as hex (environment only)")
+    require_encryption: bool = Field(default=False, description="a plaintext shard is a policy violation")
+    require_crc: bool = Field(default=False, description="a .ckpt shard without CRC trailer is invalid")
+    world_size: int | None = Field(default=None, description="expected ranks when no strategy file says")
+    verify_workers: int = Field(default=2, ge=1, le=64)
+    replica_check: Literal["off", "sample", "full"] = "sample"
+    replica_sample: int = Field(default=8, ge=1, description="parameters compared per step in sample mode")
+    rescan_interval: float = Field(default=30.0, gt=0)
+    debounce: float = Field(default=0.05, ge=0)
+    settle_seconds: float = Field(default=2.0, ge=0, description="writable files must be unchanged this long")
+
+    @field_validator("root", mode="after")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):  # noqa: ANN001
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+    def encryption_key(self) -> bytes | None:
+        if self.key_file is not None:
+            from ckptd.format.crypto import load_key_file
+
+            return load_key_file(self.key_file)
+        if self.key_hex:
+            try:
+                return bytes.fromhex(self.key_hex)
+            except ValueError:
+                raise ConfigError("CKPTD_KEY_HEX is not hex") from None
+        return None
+
+    def public_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        data["key_hex"] = "***" if self.key_hex else None
+        return data

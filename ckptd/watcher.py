@@ -1,0 +1,123 @@
+"""File events → debounced ``Ingestor.examine`` calls, plus the periodic full rescan.
+
+One ingest thread does all catalog writes of this daemon (events and rescans are serialized), so
+ordering questions never arise inside a daemon; across daemons the catalog's constraints decide.
+Events are hints: a lost or reordered event is repaired by the next rescan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from ckptd.service.ingest import Ingestor
+
+log = logging.getLogger("ckptd.watcher")
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, watcher: "Watcher") -> None:
+        self.watcher = watcher
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.is_directory and event.event_type != "moved":
+            return
+        self.watcher.poke(str(event.src_path))
+        dest = getattr(event, "dest_path", "")
+        if dest:
+            self.watcher.poke(str(dest))  # MindSpore's tmp -> final rename: the commit point
+
+
+class Watcher:
+    """Call order: ``start()`` (initial rescan happens on the ingest thread) → ``stop()``."""
+
+    def __init__(self, ingestor: Ingestor, *, debounce: float, rescan_interval: float, settle_seconds: float) -> None:
+        self.ingestor = ingestor
+        self.debounce = debounce
+        self.rescan_interval = rescan_interval
+        self.settle_seconds = settle_seconds
+        self._due: list[tuple[float, str]] = []
+        self._pending: dict[str, float] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._observer: Observer | None = None
+        self._thread = threading.Thread(target=self._loop, name="ckptd-ingest", daemon=True)
+        self.rescans = 0
+        self.ready = threading.Event()  # set after the first full rescan
+
+    def poke(self, path: str, delay: float | None = None) -> None:
+        due = time.monotonic() + (self.debounce if delay is None else delay)
+        with self._cond:
+            # debounce: a burst of events for one path collapses into one examination
+            if path in self._pending and self._pending[path] <= due:
+                return
+            self._pending[path] = due
+            heapq.heappush(self._due, (due, path))
+            self._cond.notify()
+
+    def start(self) -> None:
+        root = self.ingestor.root
+        self._observer = Observer()
+        self._observer.schedule(_Handler(self), root, recursive=True)
+        self._observer.daemon = True
+        self._observer.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        next_rescan = time.monotonic()
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                now = time.monotonic()
+                wait = next_rescan - now
+                if self._due:
+                    wait = min(wait, self._due[0][0] - now)
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                batch: list[str] = []
+                while self._due and self._due[0][0] <= now:
+                    due, path = heapq.heappop(self._due)
+                    if self._pending.get(path) == due:
+                        del self._pending[path]
+                        batch.append(path)
+                rescan = next_rescan <= now
+            if rescan:
+                self._safe(self._rescan)
+                next_rescan = time.monotonic() + self.rescan_interval
+            for path in batch:
+                self._safe(lambda p=path: self._examine(p))
+
+    def _rescan(self) -> None:
+        report = self.ingestor.rescan()
+        self.rescans += 1
+        self.ready.set()
+        for path in report.unsettled:
+            self.poke(path, self.settle_seconds)
+        log.info("rescan: %d shards, %d new, %d deleted", report.shards_seen, report.shards_new, report.shards_deleted)
+
+    def _examine(self, path: str) -> None:
+        if self.ingestor.examine(path) == "unsettled":
+            self.poke(path, self.settle_seconds)
+
+    @staticmethod
+    def _safe(fn) -> None:  # noqa: ANN001
+        try:
+            fn()
+        except Exception:  # the catalog may be briefly unreachable; the next rescan repairs
+            log.exception("ingest step failed; will retry on the next rescan")

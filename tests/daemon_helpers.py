@@ -1,0 +1,82 @@
+"""Helpers for daemon tests: real MindSpore saves into a run layout, catalog queries, waiting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import create_engine, text
+
+from ckptd.format.layout import TensorLayout
+from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+
+TP = 2
+FULL_W = (8, 4)  # "w" is split on dim 0 over tp ranks; "b" is replicated
+
+
+def write_tp_strategy(run_dir: Path, tp: int = TP) -> Path:
+    """A tensor-parallel strategy file in MindSpore's protobuf format."""
+    entries = (
+        ParamStrategy("w", TensorLayout(dev_matrix=(tp,), tensor_map=(0, -1))),
+        ParamStrategy("b", TensorLayout(dev_matrix=(tp,), tensor_map=(-1,))),
+    )
+    path = run_dir / "strategy.ckpt"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_strategy(Strategy.build(entries), path)
+    return path
+
+
+def rank_tensors(rank: int, step: int, tp: int = TP) -> dict[str, np.ndarray]:
+    full = np.arange(np.prod(FULL_W), dtype=np.float32).reshape(FULL_W) + step
+    rows = FULL_W[0] // tp
+    return {"w": full[rank * rows : (rank + 1) * rows], "b": np.full(3, float(step), np.float32)}
+
+
+def save_shard(ms, root: Path, run: str, rank: int, step: int, *, tensors=None, rank_id: int | None = None, **kwargs) -> Path:
+    rank_dir = root / run / f"rank_{rank}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    path = rank_dir / f"net-1_{step}.ckpt"
+    tensors = rank_tensors(rank, step) if tensors is None else tensors
+    data = [{"name": n, "data": ms.Tensor(a)} for n, a in tensors.items()]
+    append = {"step_num": step, "rank_id": rank if rank_id is None else rank_id}
+    ms.save_checkpoint(data, str(path), append_dict=append, crc_check=True, **kwargs)
+    return path
+
+
+def query(url: str, sql: str, **params) -> list[tuple]:
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql), params).all()]
+    finally:
+        engine.dispose()
+
+
+def step_states(url: str) -> dict[int, str]:
+    return dict(query(url, "SELECT step, state FROM checkpoints WHERE kind = 'trained'"))
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def start_daemon_process(root: Path, url: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
+    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1")
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckptd", "watch", "--root", str(root), "--db", url, *extra],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )

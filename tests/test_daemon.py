@@ -1,0 +1,267 @@
+"""The daemon against real MindSpore saves: every case ends with the catalog telling the truth.
+
+Runs on embedded SQLite and on the real PostgreSQL (``catalog_url`` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptd.catalog.db import SchemaMismatchError, make_engine
+from ckptd.daemon import Daemon
+from ckptd.settings import Settings
+from tests.daemon_helpers import (
+    query,
+    rank_tensors,
+    save_shard,
+    start_daemon_process,
+    step_states,
+    wait_for,
+    write_tp_strategy,
+)
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def daemon(root, catalog_url):
+    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    d.start()
+    yield d
+    d.stop()
+
+
+def _settled(d: Daemon, url: str, want: dict[int, str], timeout: float = 30) -> None:
+    def check():
+        d.verifier.drain(timeout=10)
+        got = step_states(url)
+        return got if got == want else None
+
+    wait_for(check, timeout, what=f"step states {want}")
+
+
+def test_steps_become_verified_with_evidence(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    for step in (100, 200):
+        for rank in range(2):
+            save_shard(ms, root, "run1", rank, step)
+    _settled(daemon, catalog_url, {100: "verified", 200: "verified"})
+    rows = query(catalog_url, "SELECT step, global_step, expected_ranks, reason FROM checkpoints ORDER BY step")
+    assert rows == [(100, 100, 2, None), (200, 200, 2, None)]
+    shards = query(catalog_url, "SELECT rank, state, crc, digest IS NOT NULL, quarantined FROM shards ORDER BY path")
+    assert all(s == "verified" and crc == "valid" and has_digest and not q for _, s, crc, has_digest, q in shards)
+    assert len(shards) == 4
+    events = query(catalog_url, "SELECT kind, outcome FROM verification_events")
+    assert events.count(("shard", "verified")) == 4 and events.count(("step", "ok")) == 2
+
+
+def test_missing_rank_keeps_step_incomplete_until_it_arrives(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    save_shard(ms, root, "run1", 0, 100)
+    _settled(daemon, catalog_url, {100: "incomplete"})
+    save_shard(ms, root, "run1", 1, 100)
+    _settled(daemon, catalog_url, {100: "verified"})
+
+
+def test_truncated_and_bitflipped_shards_are_quarantined_not_deleted(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    for step in (100, 200):
+        for rank in range(2):
+            save_shard(ms, root, "run1", rank, step)
+    _settled(daemon, catalog_url, {100: "verified", 200: "verified"})
+    # a torn copy replaces rank 1 of step 200 (new inode, as a re-save would)
+    victim = root / "run1" / "rank_1" / "net-1_200.ckpt"
+    data = victim.read_bytes()
+    torn = victim.with_suffix(".partial")
+    torn.write_bytes(data[: len(data) // 2])
+    os.replace(torn, victim)
+    # one bit flips in place in rank 0 of step 100 (same inode, new mtime)
+    rotten = root / "run1" / "rank_0" / "net-1_100.ckpt"
+    os.chmod(rotten, 0o600)
+    with open(rotten, "r+b") as fh:
+        fh.seek(60)
+        byte = fh.read(1)
+        fh.seek(60)
+        fh.write(bytes([byte[0] ^ 0x04]))
+    _settled(daemon, catalog_url, {100: "corrupt", 200: "corrupt"})
+    bad = dict(query(catalog_url, "SELECT path, error_code FROM shards WHERE quarantined"))
+    assert bad == {str(victim): "truncated", str(rotten): "checksum_mismatch"}
+    assert victim.exists() and rotten.exists()  # quarantined in place, never deleted
+
+
+def test_shape_that_contradicts_the_strategy_fails_the_step(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    save_shard(ms, root, "run1", 0, 100)
+    wrong = rank_tensors(1, 100)
+    wrong["w"] = np.zeros((3, 4), np.float32)  # the strategy says rank 1 holds rows 4..8 (4 x 4)
+    save_shard(ms, root, "run1", 1, 100, tensors=wrong)
+    _settled(daemon, catalog_url, {100: "corrupt"})
+    (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]
+    assert "rank 1" in reason and "'w'" in reason
+
+
+def test_swapped_shards_are_caught(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    save_shard(ms, root, "run1", 0, 100, tensors=rank_tensors(1, 100), rank_id=1)
+    save_shard(ms, root, "run1", 1, 100, tensors=rank_tensors(0, 100), rank_id=0)
+    _settled(daemon, catalog_url, {100: "corrupt"})
+    (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]
+    assert "swapped" in reason
+
+
+def test_replicas_that_disagree_are_caught(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    save_shard(ms, root, "run1", 0, 100)
+    diverged = rank_tensors(1, 100)
+    diverged["b"] = diverged["b"] + 1  # "b" is replicated on both ranks: must be identical
+    save_shard(ms, root, "run1", 1, 100, tensors=diverged)
+    _settled(daemon, catalog_url, {100: "corrupt"})
+    (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]
+    assert "replicas of 'b' differ" in reason
+
+
+def test_step_mixing_two_saves_is_caught(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    save_shard(ms, root, "run1", 0, 200)
+    path = save_shard(ms, root, "run1", 1, 100)
+    shutil.copy(path, root / "run1" / "rank_1" / "net-1_200.ckpt")  # an old shard renamed into the new step
+    _settled(daemon, catalog_url, {100: "incomplete", 200: "corrupt"})
+    reason = dict(query(catalog_url, "SELECT step, reason FROM checkpoints"))[200]
+    assert "disagree on the global step" in reason
+
+
+def test_rotation_and_renames_mark_steps_deleted_and_keep_rows(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    for step in (100, 200):
+        for rank in range(2):
+            save_shard(ms, root, "run1", rank, step)
+    _settled(daemon, catalog_url, {100: "verified", 200: "verified"})
+    for rank in range(2):  # keep_checkpoint_max rotation
+        (root / "run1" / f"rank_{rank}" / "net-1_100.ckpt").unlink()
+    src = root / "run1" / "rank_0" / "net-1_200.ckpt"
+    src.rename(src.with_name("net-1_300.ckpt"))  # an operator renames a shard
+    _settled(daemon, catalog_url, {100: "deleted", 200: "deleted", 300: "incomplete"})
+    assert query(catalog_url, "SELECT count(*) FROM shards")[0][0] == 5
+
+
+def test_temp_and_growing_files_are_never_shards(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1")
+    rank_dir = root / "run1" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / "net-1_100.tmp").write_bytes(b"\x0a\x05partial")
+    growing = rank_dir / "net-1_100.ckpt"
+    with open(growing, "wb") as fh:  # writable and fresh: not settled yet
+        fh.write(b"\x0a")
+        time.sleep(0.05)
+        assert query(catalog_url, "SELECT count(*) FROM shards")[0][0] == 0
+    growing.unlink()
+    save_shard(ms, root, "run1", 0, 100)
+    save_shard(ms, root, "run1", 1, 100)
+    _settled(daemon, catalog_url, {100: "verified"})
+    assert [p for (p,) in query(catalog_url, "SELECT path FROM shards") if p.endswith(".tmp")] == []
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np, mindspore as ms
+    big = np.ones((64, 1 << 20), np.float32)  # 256 MiB: the save takes long enough to be killed mid-way
+    ms.save_checkpoint([{"name": "w", "data": ms.Tensor(big)}], sys.argv[1], append_dict={"step_num": 100})
+    """
+)
+
+
+@pytest.mark.slow
+def test_writer_killed_mid_save_leaves_no_shard(ms, root, catalog_url, daemon):
+    rank_dir = root / "run1" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    final = rank_dir / "net-1_100.ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(final)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = rank_dir / "net-1_100.tmp"
+    wait_for(lambda: tmp.exists() and tmp.stat().st_size > 0, 120, what="the writer's .tmp file")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not final.exists()
+    time.sleep(1.0)  # > settle + rescan interval
+    daemon.verifier.drain(timeout=10)
+    assert query(catalog_url, "SELECT count(*) FROM shards")[0][0] == 0
+    assert tmp.exists()  # ckptd never touches the writer's leftovers
+
+
+@pytest.mark.slow
+def test_daemon_killed_during_ingest_converges_after_restart(ms, root, catalog_url, tmp_path):
+    write_tp_strategy(root / "run1")
+    steps = list(range(10, 130, 10))
+    for step in steps:
+        for rank in range(2):
+            save_shard(ms, root, "run1", rank, step)
+    log = tmp_path / "daemon.log"
+    first = start_daemon_process(root, catalog_url, log=log)
+    wait_for(lambda: query(catalog_url, "SELECT count(*) FROM shards")[0][0] > 0, 60, 0.01, "ingest to begin")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    partial = query(catalog_url, "SELECT count(*) FROM shards")[0][0]
+    second = start_daemon_process(root, catalog_url, log=log)
+    try:
+        wait_for(lambda: set(step_states(catalog_url).values()) == {"verified"} and len(step_states(catalog_url)) == len(steps),
+                 90, 0.2, "all steps verified after restart")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    assert partial <= 2 * len(steps)
+    assert query(catalog_url, "SELECT count(*), count(DISTINCT path) FROM shards")[0] == (2 * len(steps), 2 * len(steps))
+
+
+@pytest.mark.slow
+def test_two_daemons_on_one_postgres_catalog(ms, root, tmp_path):
+    from tests.conftest import _fresh_pg_database
+    from ckptd.catalog.db import upgrade
+
+    url, drop = _fresh_pg_database()
+    try:
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        write_tp_strategy(root / "run1")
+        daemons = [start_daemon_process(root, url, log=tmp_path / f"d{i}.log") for i in range(2)]
+        try:
+            for step in range(10, 110, 10):
+                for rank in range(2):
+                    save_shard(ms, root, "run1", rank, step)
+            wait_for(lambda: len(step_states(url)) == 10 and set(step_states(url).values()) == {"verified"}, 90, 0.2,
+                     "both daemons to settle")
+        finally:
+            for d in daemons:
+                d.send_signal(signal.SIGTERM)
+            for d in daemons:
+                assert d.wait(30) == 0
+        assert query(url, "SELECT count(*), count(DISTINCT path) FROM shards")[0] == (20, 20)
+        assert query(url, "SELECT count(*) FROM checkpoints")[0][0] == 10
+        assert query(url, "SELECT count(*) FROM runs")[0][0] == 1
+    finally:
+        drop()
+
+
+def test_daemon_refuses_unmigrated_and_newer_catalogs(root, tmp_path, catalog_url):
+    with pytest.raises(SchemaMismatchError, match="no ckptd schema"):
+        Daemon(Settings(root=root, db=f"sqlite:///{tmp_path / 'empty.db'}"))
+    engine = make_engine(catalog_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    engine.dispose()
+    with pytest.raises(SchemaMismatchError, match="newer than this ckptd knows"):
+        Daemon(Settings(root=root, db=catalog_url))
