@@ -64,7 +64,7 @@ class Checkpoint(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (
         UniqueConstraint("run_id", "prefix", "epoch", "step", "kind"),
-        Index("ix_checkpoints_run_state_step", "run_id", "state", "step"),
+        Index("ix_checkpoints_run_state_order", "run_id", "state", "epoch", "step"),  # the resume query
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))

@@ -197,3 +197,16 @@ def upsert_strategy(session: Session, run: Run, path: str, content_hash: str, fm
     if row.content_hash != content_hash:
         row.content_hash, row.format, row.world_size, row.stages, row.error = content_hash, fmt, world, stages, error
     return row
+
+
+def latest_restorable(session: Session, run_id: int, *, max_step: int | None = None) -> Checkpoint | None:
+    """Newest verified trained checkpoint of a run (index ``ix_checkpoints_run_state_order``)."""
+    q = select(Checkpoint).where(
+        Checkpoint.run_id == run_id,
+        Checkpoint.state == StepState.VERIFIED.value,
+        Checkpoint.kind == "trained",
+        Checkpoint.marked_bad.is_(False),
+    )
+    if max_step is not None:
+        q = q.where(Checkpoint.step <= max_step)
+    return session.execute(q.order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc()).limit(1)).scalar_one_or_none()

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 23:38:35.911583
+Create Date: 2026-11-29 23:41:15.642712
 """
 
 from alembic import op
@@ -80,7 +80,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('run_id', 'prefix', 'epoch', 'step', 'kind')
     )
     with op.batch_alter_table('checkpoints', schema=None) as batch_op:
-        batch_op.create_index('ix_checkpoints_run_state_step', ['run_id', 'state', 'step'], unique=False)
+        batch_op.create_index('ix_checkpoints_run_state_order', ['run_id', 'state', 'epoch', 'step'], unique=False)
         batch_op.create_index(batch_op.f('ix_checkpoints_state'), ['state'], unique=False)
 
     op.create_table('conversion_jobs',
@@ -165,7 +165,7 @@ def downgrade() -> None:
     op.drop_table('conversion_jobs')
     with op.batch_alter_table('checkpoints', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_checkpoints_state'))
-        batch_op.drop_index('ix_checkpoints_run_state_step')
+        batch_op.drop_index('ix_checkpoints_run_state_order')
 
     op.drop_table('checkpoints')
     with op.batch_alter_table('strategy_files', schema=None) as batch_op:
