@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.catalog.db import make_engine, require_current_schema
 from ckptd.errors import CkptdError
+from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
+from ckptd.service.retention import finish_pending, gc
 from ckptd.service.verifier import Verifier
 from ckptd.settings import Settings
 from ckptd.watcher import Watcher
@@ -31,6 +34,7 @@ class Daemon:
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         self.verifier = Verifier(settings, self.sessions)
         self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step)
+        self._stopping = threading.Event()
         self.watcher = Watcher(
             self.ingestor,
             debounce=settings.debounce,
@@ -40,9 +44,27 @@ class Daemon:
 
     def start(self) -> None:
         log.info("watching %s (catalog %s)", self.settings.root, self.engine.url.render_as_string(hide_password=True))
+        finished = finish_pending(self.sessions, str(self.settings.root))  # a gc interrupted by a crash
+        if finished:
+            log.info("finished %d interrupted retention deletions", finished)
         self.watcher.start()
+        if self.settings.gc_keep_last or self.settings.gc_keep_every:
+            self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)
+            self._gc_thread.start()
+
+    def _gc_loop(self) -> None:
+        policy = RetentionPolicy(keep_last=self.settings.gc_keep_last, keep_every=self.settings.gc_keep_every)
+        while not self._stopping.wait(self.settings.gc_interval):
+            try:
+                report = gc(self.sessions, str(self.settings.root), policy)
+                if report.deleted_steps or report.refused:
+                    log.info("retention: deleted %d steps (%d files); refused: %s",
+                             report.deleted_steps, report.deleted_files, report.refused)
+            except Exception:
+                log.exception("background retention failed; will retry")
 
     def stop(self) -> None:
+        self._stopping.set()
         self.watcher.stop()
         self.verifier.drain(timeout=60)
         self.verifier.close()

@@ -94,6 +94,12 @@ def is_strategy_name(parts: list[str]) -> bool:
     return len(parts) == 3 and parts[1] == "strategy"
 
 
+def resolves_inside(root: str, path: str) -> bool:
+    """True if ``path``, with every symlink resolved, is still below ``root`` (no escapes)."""
+    real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
+    return os.path.realpath(path).startswith(real_root)
+
+
 def sidecar_for(shard_path: str) -> str:
     return shard_path + SIDECAR_SUFFIX
 

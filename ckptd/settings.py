@@ -52,6 +52,15 @@ class Settings(BaseSettings):
     rescan_interval: float = Field(default=30.0, gt=0)
     debounce: float = Field(default=0.05, ge=0)
     settle_seconds: float = Field(default=2.0, ge=0, description="writable files must be unchanged this long")
+    host: str = Field(default="127.0.0.1", description="API listen address")
+    port: int = Field(default=8470, ge=0, le=65535)
+    tokens: dict[str, Literal["read", "report", "admin"]] = Field(
+        default_factory=dict, repr=False, description='bearer tokens: {"<token>": "read"|"report"|"admin"}'
+    )
+    token_file: Path | None = Field(default=None, description="lines '<scope> <token>'; scopes read, report, admin")
+    gc_keep_last: int | None = Field(default=None, ge=1, description="background retention: keep N restorable steps")
+    gc_keep_every: int | None = Field(default=None, ge=1)
+    gc_interval: float = Field(default=300.0, gt=0)
 
     @field_validator("root", mode="after")
     @classmethod
@@ -74,7 +83,25 @@ class Settings(BaseSettings):
                 raise ConfigError("CKPTD_KEY_HEX is not hex") from None
         return None
 
+    def all_tokens(self) -> dict[str, str]:
+        """Token -> scope from ``tokens`` and ``token_file`` (read at start; never logged)."""
+        found = dict(self.tokens)
+        if self.token_file is not None:
+            try:
+                lines = self.token_file.read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"cannot read token file: {exc.strerror}", path=str(self.token_file)) from None
+            for n, line in enumerate(lines, 1):
+                if not line.strip() or line.lstrip().startswith("#"):
+                    continue
+                parts = line.split()
+                if len(parts) != 2 or parts[0] not in ("read", "report", "admin"):
+                    raise ConfigError(f"line {n}: expected '<read|report|admin> <token>'", path=str(self.token_file))
+                found[parts[1]] = parts[0]
+        return found
+
     def public_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
         data["key_hex"] = "***" if self.key_hex else None
+        data["tokens"] = {scope: "***" for scope in sorted(set(self.tokens.values()))}
         return data

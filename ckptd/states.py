@@ -19,7 +19,8 @@ Checkpoint step (all ranks of one save)::
 ``incomplete`` = some expected rank has no shard yet; ``pending`` = every rank present, not all
 verified; ``verified`` = every shard verified and the step-level checks passed (ranks exactly
 once, one global step, shapes match the strategy, replicas agree); ``corrupt`` = a shard or a
-step-level check failed; ``deleted`` = a shard file disappeared (rotation or an operator).
+step-level check failed; ``deleted`` = a shard file disappeared (rotation or an operator);
+``deleting`` = ckptd's retention is removing it (sticky until the rows are gone).
 A step is *restorable* only in ``verified``.
 """
 
@@ -41,6 +42,7 @@ class StepState(str, enum.Enum):
     VERIFIED = "verified"
     CORRUPT = "corrupt"
     DELETED = "deleted"
+    DELETING = "deleting"  # retention is removing it (two-phase; finished on restart)
 
 
 def step_state(expected_ranks: int | None, shard_states: dict[int, ShardState], step_checks_ok: bool | None) -> StepState:

@@ -81,6 +81,9 @@ class Checkpoint(Base):
     derived_from_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     marked_bad: Mapped[bool] = mapped_column(Boolean, default=False)
+    bad_reason: Mapped[str | None] = mapped_column(Text)
+    # a resume answer or a conversion leases the step: retention must not delete it meanwhile
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
     run: Mapped[Run] = relationship(back_populates="checkpoints")
@@ -139,6 +142,23 @@ class StepHealth(Base):
     grad_norm: Mapped[float | None] = mapped_column(Float)
     overflow: Mapped[bool] = mapped_column(Boolean, default=False)
     reported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Job(Base):
+    """A background job (re-verification, conversion, gc) with progress, visible over the API."""
+
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # verify | convert | gc
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"))
+    state: Mapped[str] = mapped_column(String(16))  # queued | running | done | failed
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    done: Mapped[int] = mapped_column(Integer, default=0)
+    params: Mapped[str | None] = mapped_column(Text)  # JSON
+    result: Mapped[str | None] = mapped_column(Text)  # JSON
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
 class ConversionJob(Base):

@@ -163,6 +163,8 @@ def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
     for rank, state in shards:
         duplicate |= rank in by_rank
         by_rank[rank] = ShardState(state) if rank not in by_rank else _worst(by_rank[rank], ShardState(state))
+    if ckpt.state == StepState.DELETING.value:
+        return StepState.DELETING  # retention owns it now; file deletions are expected
     checks = False if duplicate else ckpt.step_checks_ok
     new = step_state(ckpt.expected_ranks, by_rank, checks)
     if new.value != ckpt.state:

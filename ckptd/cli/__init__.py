@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ckptd import __version__
-from ckptd.cli import files, service
+from ckptd.cli import catalog_cmds, files, service
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     files.register(sub)
     service.register(sub)
+    catalog_cmds.register(sub)
     return parser
 
 

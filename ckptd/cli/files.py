@@ -30,7 +30,12 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_inspect)
 
     v = sub.add_parser("verify", help="check checkpoint files completely; exit 0 only if all are valid")
-    v.add_argument("paths", nargs="+", metavar="PATH", help="files, or directories searched for *.ckpt/*.safetensors")
+    v.add_argument("paths", nargs="*", metavar="PATH", help="files, or directories searched for *.ckpt/*.safetensors")
+    v.add_argument("--run", help="re-verify a catalogued run instead of files (with --step: one step)")
+    v.add_argument("--step", type=int, help="with --run: only this step")
+    v.add_argument("--db", metavar="URL", help="with --run: catalog URL")
+    v.add_argument("--root", metavar="DIR", help="with --run: checkpoint root")
+    v.add_argument("--progress", action="store_true", help="with --run: progress bar even when not a terminal")
     v.add_argument("--key-file", metavar="F", help="file holding the raw decryption key bytes")
     v.add_argument("--json", action="store_true", help="machine-readable output (schema ckptd.verify/1)")
     v.add_argument(
@@ -134,6 +139,14 @@ def _problem_line(report: FileReport, code: str, message: str, offset: int | Non
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.run:
+        if args.paths:
+            raise CkptdError("give either PATH... or --run, not both", hint="ckptd verify --run R [--step S]")
+        from ckptd.cli.catalog_cmds import cmd_verify_run
+
+        return cmd_verify_run(args)
+    if not args.paths:
+        raise CkptdError("nothing to verify", hint="ckptd verify PATH... or ckptd verify --run R [--step S]")
     key = _key(args)
     reports = [verify_file(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
     ok = all(r.ok for r in reports)

@@ -95,8 +95,8 @@ class Ingestor:
             st = os.lstat(path)
         except FileNotFoundError:
             return self._vanished(path)
-        if not stat_mod.S_ISREG(st.st_mode):
-            return "ignored"  # symlinks are never followed: nothing outside the root gets read
+        if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path):
+            return "ignored"  # symlinks (file or directory) are never followed out of the root
         # MindSpore renames into place then chmods 0400; a writable file may still be growing
         # (an operator's cp), so it must be unchanged for settle_seconds first.
         if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds:

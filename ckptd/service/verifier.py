@@ -62,6 +62,8 @@ class Verifier:
         self._strategies: dict[tuple[str, str], Strategy] = {}
         self.verified_count = 0
         self.failed_count = 0
+        self.verified_bytes = 0
+        self.verify_seconds = 0.0
 
     # --- queue ---------------------------------------------------------------------------------
 
@@ -114,7 +116,7 @@ class Verifier:
             shard = s.get(Shard, shard_id)
             if shard is None:
                 return None
-            path, ckpt_id = shard.path, shard.checkpoint_id
+            path, ckpt_id, known_digest = shard.path, shard.checkpoint_id, shard.digest
         before = stat_of(path)
         if before is None:
             with self.sessions.begin() as s:
@@ -125,6 +127,9 @@ class Verifier:
             return ShardState.DELETED
         t0 = time.perf_counter()
         values, problems = self._check_file(path)
+        if known_digest is not None and values["digest"] != known_digest:
+            problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
+            values["digest"] = known_digest  # keep the evidence of what the file was
         after = stat_of(path)
         if after != before:
             return None  # the file changed under us; the ingest of the new version re-queues it
@@ -140,6 +145,8 @@ class Verifier:
             if stored:
                 self._refresh_step(s, ckpt_id)
         if stored:
+            self.verified_bytes += before.size
+            self.verify_seconds += time.perf_counter() - t0
             if problems:
                 self.failed_count += 1
                 log.warning("shard %s is corrupt: %s", path, values["error"])

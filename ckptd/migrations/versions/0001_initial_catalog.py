@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 23:41:15.642712
+Create Date: 2026-11-29 23:45:33.585607
 """
 
 from alembic import op
@@ -25,6 +25,21 @@ def upgrade() -> None:
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('name')
+    )
+    op.create_table('jobs',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('kind', sa.String(length=16), nullable=False),
+    sa.Column('run_id', sa.Integer(), nullable=True),
+    sa.Column('state', sa.String(length=16), nullable=False),
+    sa.Column('total', sa.Integer(), nullable=False),
+    sa.Column('done', sa.Integer(), nullable=False),
+    sa.Column('params', sa.Text(), nullable=True),
+    sa.Column('result', sa.Text(), nullable=True),
+    sa.Column('error', sa.Text(), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
+    sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ),
+    sa.PrimaryKeyConstraint('id')
     )
     op.create_table('step_health',
     sa.Column('id', sa.Integer(), nullable=False),
@@ -71,6 +86,8 @@ def upgrade() -> None:
     sa.Column('derived_from_id', sa.Integer(), nullable=True),
     sa.Column('pinned', sa.Boolean(), nullable=False),
     sa.Column('marked_bad', sa.Boolean(), nullable=False),
+    sa.Column('bad_reason', sa.Text(), nullable=True),
+    sa.Column('lease_until', sa.DateTime(timezone=True), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['derived_from_id'], ['checkpoints.id'], ),
@@ -173,5 +190,6 @@ def downgrade() -> None:
 
     op.drop_table('strategy_files')
     op.drop_table('step_health')
+    op.drop_table('jobs')
     op.drop_table('runs')
     # ### end Alembic commands ###

@@ -1,0 +1,36 @@
+"""/v1/runs/{run}/resume and /health: the launcher's and the trainer's endpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from ckptd.api.deps import ReadScope, ReportScope, RunName, SessionDep
+from ckptd.api.schemas import HealthReport, ResumeAnswer
+from ckptd.service import catalog
+from ckptd.service.resume import ResumeOptions, resume
+
+router = APIRouter(prefix="/v1/runs", tags=["resume"])
+
+
+@router.get(
+    "/{run}/resume",
+    response_model=ResumeAnswer,
+    responses={404: {"description": "no restorable step (detail.code = no_restorable_step, detail.skipped lists why)"}},
+)
+def get_resume(
+    run: RunName, s: SessionDep, _: ReadScope,
+    max_step: int | None = Query(default=None, ge=0, description="resume at or before this step"),
+    world_size: int | None = Query(default=None, ge=1, description="target world size; a mismatch sets 'conversion'"),
+    skip_spikes: bool = Query(default=False, description="also skip steps from the first loss spike on"),
+    spike_factor: float = Query(default=3.0, gt=1.0),
+    spike_window: int = Query(default=20, ge=2),
+) -> dict[str, Any]:
+    """The latest restorable step: every shard verified, not marked bad, training healthy."""
+    return resume(s, run, ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window))
+
+
+@router.post("/{run}/health", status_code=204)
+def post_health(run: RunName, body: HealthReport, s: SessionDep, _: ReportScope) -> None:
+    catalog.report_health(s, run, body.step, body.loss, body.grad_norm, body.overflow)

@@ -1,0 +1,86 @@
+"""/healthz, /metrics (Prometheus text), /v1/jobs, /v1/gc."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from sqlalchemy import func, select
+
+from ckptd.api.deps import AdminScope, ReadScope, SessionDep
+from ckptd.api.schemas import GcRequest, JobOut
+from ckptd.catalog.models import Checkpoint, Run, Shard
+from ckptd.policy import RetentionPolicy
+from ckptd.service import jobs as jobs_svc
+from ckptd.service.retention import gc
+from ckptd.states import StepState
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/healthz")
+def healthz(request: Request, s: SessionDep) -> dict[str, Any]:
+    s.execute(select(1))
+    watcher = request.app.state.daemon.watcher
+    return {"status": "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(), "rescans": watcher.rescans}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
+    verifier = request.app.state.daemon.verifier
+    lines = [
+        "# HELP ckptd_shards Shards in the catalog by state.",
+        "# TYPE ckptd_shards gauge",
+    ]
+    for state, n in s.execute(select(Shard.state, func.count()).group_by(Shard.state)).all():
+        lines.append(f'ckptd_shards{{state="{state}"}} {n}')
+    lines += [
+        "# HELP ckptd_shards_verified_total Shards verified since start.",
+        "# TYPE ckptd_shards_verified_total counter",
+        f"ckptd_shards_verified_total {verifier.verified_count}",
+        "# HELP ckptd_verification_failures_total Shards found corrupt since start.",
+        "# TYPE ckptd_verification_failures_total counter",
+        f"ckptd_verification_failures_total {verifier.failed_count}",
+        "# HELP ckptd_verified_bytes_total Bytes verified since start.",
+        "# TYPE ckptd_verified_bytes_total counter",
+        f"ckptd_verified_bytes_total {verifier.verified_bytes}",
+        "# HELP ckptd_verification_seconds_total Time spent verifying shards.",
+        "# TYPE ckptd_verification_seconds_total counter",
+        f"ckptd_verification_seconds_total {verifier.verify_seconds:.6f}",
+        "# HELP ckptd_recovery_point_seconds Seconds since each run's newest restorable step became restorable (RPO).",
+        "# TYPE ckptd_recovery_point_seconds gauge",
+    ]
+    now = datetime.now(timezone.utc)
+    latest = s.execute(
+        select(Run.name, func.max(Checkpoint.updated_at))
+        .join(Checkpoint, Checkpoint.run_id == Run.id)
+        .where(Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained")
+        .group_by(Run.name)
+    ).all()
+    for name, at in latest:
+        at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+        lines.append(f'ckptd_recovery_point_seconds{{run="{name}"}} {(now - at).total_seconds():.3f}')
+    lines.append(f"ckptd_up_seconds {time.monotonic() - request.app.state.started:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+@router.get("/v1/jobs", response_model=list[JobOut])
+def list_jobs(s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
+    return jobs_svc.list_jobs(s)
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobOut)
+def get_job(job_id: int, s: SessionDep, _: ReadScope) -> dict[str, Any]:
+    return jobs_svc.get_job(s, job_id)
+
+
+@router.post("/v1/runs/{run}/gc")
+def run_gc(run: str, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
+    from ckptd.api.deps import run_name
+
+    policy = RetentionPolicy(keep_last=body.keep_last, keep_every=body.keep_every)
+    return gc(request.app.state.sessions, str(request.app.state.settings.root), policy,
+              run_name=run_name(run), dry_run=body.dry_run).to_dict()

@@ -1,0 +1,258 @@
+"""Catalog commands: serve, ls, show, resume, gc, mark-bad, pin, config show, verify --run.
+
+They work on the catalog directly (no server needed); ``serve`` runs watcher + API in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import sys
+from typing import Any
+
+from ckptd.cli.service import add_daemon_flags, settings_from
+from ckptd.errors import CkptdError
+from ckptd.settings import Settings
+
+
+def register(sub: Any) -> None:
+    s = sub.add_parser("serve", help="run the daemon and the REST API (the main job)")
+    add_daemon_flags(s)
+    s.add_argument("--host", help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (default 8470)")
+    s.add_argument("--token-file", metavar="F", help="lines '<read|report|admin> <token>'")
+    s.set_defaults(handler=cmd_serve)
+
+    ls = sub.add_parser("ls", help="list runs, or the steps of a run")
+    ls.add_argument("run", nargs="?")
+    ls.add_argument("--state", help="only steps in this state")
+    _common(ls)
+    ls.set_defaults(handler=cmd_ls)
+
+    sh = sub.add_parser("show", help="one step with its shards and verification results")
+    sh.add_argument("run")
+    sh.add_argument("step", type=int)
+    _common(sh)
+    sh.set_defaults(handler=cmd_show)
+
+    r = sub.add_parser("resume", help="what the launcher would be told: the latest restorable step")
+    r.add_argument("--run", required=True)
+    r.add_argument("--max-step", type=int, help="resume at or before this step")
+    r.add_argument("--world-size", type=int, help="target world size (says whether a conversion is needed)")
+    r.add_argument("--skip-spikes", action="store_true", help="skip steps from the first loss spike on")
+    r.add_argument("--no-lease", action="store_true", help="do not protect the answer from retention")
+    _common(r)
+    r.set_defaults(handler=cmd_resume)
+
+    g = sub.add_parser("gc", help="apply retention: keep newest N restorable, every K-th, pinned")
+    g.add_argument("--run", help="one run (default: all)")
+    g.add_argument("--keep-last", type=int, default=5)
+    g.add_argument("--keep-every", type=int)
+    g.add_argument("--dry-run", action="store_true", help="show the plan only")
+    _common(g, root=True)
+    g.set_defaults(handler=cmd_gc)
+
+    for name, helptext in (("mark-bad", "never resume from this step"), ("unmark-bad", "undo mark-bad"),
+                           ("pin", "retention never deletes this step"), ("unpin", "undo pin")):
+        m = sub.add_parser(name, help=helptext)
+        m.add_argument("--run", required=True)
+        m.add_argument("--step", type=int, required=True)
+        if name == "mark-bad":
+            m.add_argument("--reason")
+        _common(m)
+        m.set_defaults(handler=cmd_mark, action=name)
+
+    c = sub.add_parser("config", help="configuration")
+    c_sub = c.add_subparsers(dest="config_command", metavar="COMMAND")
+    cs = c_sub.add_parser("show", help="effective configuration (secrets masked)")
+    add_daemon_flags(cs)
+    cs.set_defaults(handler=cmd_config_show)
+
+
+def _common(p: argparse.ArgumentParser, root: bool = False) -> None:
+    p.add_argument("--db", metavar="URL", help="catalog URL (default: $CKPTD_DB or embedded SQLite)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    if root:
+        p.add_argument("--root", metavar="DIR", help="checkpoint root (files outside it are never deleted)")
+
+
+def _sessions(args: argparse.Namespace):  # noqa: ANN202
+    from sqlalchemy.orm import sessionmaker
+
+    from ckptd.catalog.db import make_engine, require_current_schema
+
+    overrides = {k: getattr(args, k) for k in ("db", "root") if getattr(args, k, None)}
+    settings = Settings(**overrides)
+    engine = make_engine(settings.db)
+    require_current_schema(engine)
+    return settings, sessionmaker(engine, expire_on_commit=False)
+
+
+def _emit(args: argparse.Namespace, doc: Any, text: str) -> None:
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
+def _table(rows: list[tuple], header: tuple) -> str:
+    cells = [tuple(str(c) if c is not None else "-" for c in r) for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from ckptd.api.app import create_app
+
+    settings = settings_from(args)
+    extra = {k: v for k, v in (("host", args.host), ("port", args.port), ("token_file", args.token_file)) if v is not None}
+    settings = settings.model_copy(update=extra) if extra else settings
+    if not settings.all_tokens() and not _is_loopback(settings.host):
+        raise CkptdError(
+            f"refusing to listen on {settings.host} without authentication",
+            hint="configure tokens (--token-file or CKPTD_TOKENS) or listen on 127.0.0.1",
+        )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ckptd.service import catalog
+
+    _, sessions = _sessions(args)
+    with sessions() as s:
+        if args.run is None:
+            runs = catalog.list_runs(s)
+            rows = [(r["name"], r["world_size"], r["latest_restorable_step"],
+                     ", ".join(f"{k}={v}" for k, v in sorted(r["steps"].items()))) for r in runs]
+            _emit(args, runs, _table(rows, ("RUN", "WORLD", "LATEST RESTORABLE", "STEPS")) if rows else "no runs catalogued")
+        else:
+            steps = catalog.list_steps(s, args.run, args.state)
+            rows = [(x["step"], x["epoch"], x["kind"], x["state"], "yes" if x["restorable"] else "no",
+                     "bad" if x["marked_bad"] else ("pinned" if x["pinned"] else ""), (x["reason"] or "")[:80]) for x in steps]
+            _emit(args, steps, _table(rows, ("STEP", "EPOCH", "KIND", "STATE", "RESTORABLE", "MARK", "REASON")))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from ckptd.service import catalog
+
+    _, sessions = _sessions(args)
+    with sessions() as s:
+        doc = catalog.show_step(s, args.run, args.step)
+    head = (f"run {args.run} step {doc['step']} (epoch {doc['epoch']}): {doc['state']}"
+            f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}")
+    rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], x["error"] or "", x["path"]) for x in doc["shards"]]
+    _emit(args, doc, head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "ERROR", "PATH")))
+    return 0 if doc["restorable"] else 1
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
+
+    _, sessions = _sessions(args)
+    opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease)
+    try:
+        with sessions.begin() as s:
+            doc = resume(s, args.run, opts)
+    except NoRestorableStepError as err:
+        if args.json:
+            _emit(args, {"detail": {**err.to_dict(), "skipped": err.skipped}}, "")  # type: ignore[attr-defined]
+            return 1
+        for item in err.skipped:  # type: ignore[attr-defined]
+            print(f"skipped step {item['step']}: {item['reason']}", file=sys.stderr)
+        raise
+    lines = [f"resume run {doc['run']} at step {doc['step']} (epoch {doc['epoch']}, {len(doc['shards'])} shards)",
+             f"strategy: {doc['strategy_file'] or '-'}"]
+    lines += [f"  rank {x['rank']}: {x['path']}" for x in doc["shards"]]
+    lines += [f"skipped step {x['step']}: {x['reason']}" for x in doc["skipped"]]
+    if doc["conversion"]:
+        lines.append(f"conversion needed: world size {doc['conversion']['from_world_size']} -> {doc['conversion']['to_world_size']}")
+    _emit(args, doc, "\n".join(lines))
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from ckptd.policy import RetentionPolicy
+    from ckptd.service.retention import gc
+
+    settings, sessions = _sessions(args)
+    report = gc(sessions, str(settings.root), RetentionPolicy(args.keep_last, args.keep_every),
+                run_name=args.run, dry_run=args.dry_run)
+    doc = report.to_dict()
+    lines = []
+    for plan in doc["runs"]:
+        lines.append(f"run {plan['run']}: delete {plan['delete'] or 'nothing'}")
+        lines += [f"  keep {step}: {why}" for step, why in plan["keep"].items()]
+    if not args.dry_run:
+        lines.append(f"deleted {doc['deleted_steps']} steps ({doc['deleted_files']} files)")
+    lines += [f"REFUSED {x}" for x in doc["refused"]]
+    _emit(args, doc, "\n".join(lines) if lines else "no runs")
+    return 1 if doc["refused"] else 0
+
+
+def cmd_mark(args: argparse.Namespace) -> int:
+    from ckptd.service import catalog
+
+    _, sessions = _sessions(args)
+    with sessions.begin() as s:
+        if args.action in ("mark-bad", "unmark-bad"):
+            doc = catalog.mark_bad(s, args.run, args.step, getattr(args, "reason", None), bad=args.action == "mark-bad")
+        else:
+            doc = catalog.pin(s, args.run, args.step, args.action == "pin")
+    _emit(args, doc, f"run {args.run} step {args.step}: marked_bad={doc['marked_bad']} pinned={doc['pinned']}")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    json.dump(settings.public_dict(), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_verify_run(args: argparse.Namespace) -> int:
+    """``ckptd verify --run R [--step S]``: re-verify catalogued shards now, with a progress bar."""
+    from ckptd.service.ingest import Ingestor
+    from ckptd.service.jobs import reverify, select_shards
+    from ckptd.service.verifier import Verifier
+
+    settings, sessions = _sessions(args)
+    settings = settings_from(args).model_copy(update={"db": settings.db, "root": settings.root})
+    verifier = Verifier(settings, sessions)
+    ingestor = Ingestor(settings, sessions, lambda _id: None, lambda _id: None)
+    with sessions() as s:
+        _, shards = select_shards(s, args.run, args.step)
+
+    def bar(done: int, total: int) -> None:
+        if sys.stderr.isatty() or args.progress:
+            filled = int(30 * done / max(total, 1))
+            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
+
+    try:
+        result = reverify(sessions, ingestor.examine, verifier.verify_shard, verifier.check_step, shards, bar)
+    finally:
+        verifier.close()
+    if sys.stderr.isatty() or args.progress:
+        print(file=sys.stderr)
+    bad = {k: v for k, v in result["shards"].items() if k != "verified"}
+    text = [f"{len(shards)} shards: " + ", ".join(f"{v} {k}" for k, v in sorted(result["shards"].items()))]
+    text += [f"step {step}: {p}" for step, probs in result["step_problems"].items() for p in probs]
+    _emit(args, result, "\n".join(text))
+    return 0 if not bad and not result["step_problems"] else 1

@@ -1,0 +1,177 @@
+"""Pure policies (no I/O, table-tested): which step to resume from, and which steps to keep.
+
+Like Orbax's policies these are small frozen objects evaluated over plain data; the service layer
+loads the data from the catalog and acts on the decision.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What the policies need to know about one checkpoint step."""
+
+    id: int
+    step: int  # training step (global step when known, else the step in the file name)
+    state: str  # a StepState value
+    reason: str | None = None
+    marked_bad: bool = False
+    bad_reason: str | None = None
+    pinned: bool = False
+    in_use: bool = False  # leased by a resume answer or a running conversion
+
+
+@dataclass(frozen=True)
+class Health:
+    step: int
+    loss: float | None
+    grad_norm: float | None = None
+    overflow: bool = False
+
+
+# --- training health ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpikeRule:
+    """A loss spike: loss > ``factor`` x the median of the previous ``window`` finite losses.
+
+    Needs at least ``min_history`` earlier losses, so warm-up noise never counts as a spike.
+    """
+
+    factor: float = 3.0
+    window: int = 20
+    min_history: int = 5
+
+    def first_spike(self, history: Sequence[Health]) -> tuple[int, str] | None:
+        finite: list[float] = []
+        for h in history:
+            if h.loss is None or not math.isfinite(h.loss):
+                continue
+            recent = finite[-self.window :]
+            if len(recent) >= self.min_history:
+                median = statistics.median(recent)
+                if median > 0 and h.loss > self.factor * median:
+                    return h.step, f"loss spike at step {h.step}: {h.loss:.4g} > {self.factor:g} x median {median:.4g}"
+            finite.append(h.loss)
+        return None
+
+
+def first_unhealthy(history: Iterable[Health], spike: SpikeRule | None) -> tuple[int, str] | None:
+    """The first step from which training state is suspect (NaN/inf loss, or a spike if asked)."""
+    ordered = sorted(history, key=lambda h: h.step)
+    for h in ordered:
+        if h.loss is not None and not math.isfinite(h.loss):
+            nan = (h.step, f"loss is {h.loss} at step {h.step}")
+            break
+    else:
+        nan = None
+    spiked = spike.first_spike(ordered) if spike else None
+    candidates = [c for c in (nan, spiked) if c is not None]
+    return min(candidates) if candidates else None
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    chosen: StepInfo | None
+    skipped: tuple[tuple[int, str], ...]
+
+
+_STATE_REASONS = {
+    "incomplete": "incomplete: not every rank's shard is present",
+    "pending": "pending: verification has not finished",
+    "deleted": "deleted: a shard file is gone",
+    "deleting": "being deleted by retention",
+}
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """Newest fully verified step, skipping what an operator or training health rules out."""
+
+    max_step: int | None = None
+    spike: SpikeRule | None = None
+
+    def decide(self, steps: Iterable[StepInfo], health: Iterable[Health] = ()) -> ResumeDecision:
+        unhealthy = first_unhealthy(health, self.spike)
+        skipped: list[tuple[int, str]] = []
+        for s in sorted(steps, key=lambda s: s.step, reverse=True):
+            if self.max_step is not None and s.step > self.max_step:
+                continue  # asked for "at or before N": newer steps are not candidates, not failures
+            reason = self._rejection(s, unhealthy)
+            if reason is None:
+                return ResumeDecision(s, tuple(skipped))
+            skipped.append((s.step, reason))
+        return ResumeDecision(None, tuple(skipped))
+
+    @staticmethod
+    def _rejection(s: StepInfo, unhealthy: tuple[int, str] | None) -> str | None:
+        if s.marked_bad:
+            return "marked bad by an operator" + (f": {s.bad_reason}" if s.bad_reason else "")
+        if s.state == "corrupt":
+            return "corrupt: " + (s.reason or "a shard failed verification")
+        if s.state != "verified":
+            return _STATE_REASONS.get(s.state, s.state)
+        if unhealthy is not None and s.step >= unhealthy[0]:
+            return f"unhealthy: {unhealthy[1]}"
+        return None
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: dict[int, str] = field(default_factory=dict)  # step id -> why it is kept
+    delete: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Keep the newest ``keep_last`` restorable steps, every ``keep_every``-th step, pinned steps.
+
+    Invariants, whatever the numbers: the newest restorable step is never deleted; nothing newer
+    than it that may still become restorable (incomplete/pending) is deleted; leased steps are kept.
+    """
+
+    keep_last: int | None = 5
+    keep_every: int | None = None
+
+    def plan(self, steps: Iterable[StepInfo]) -> RetentionPlan:
+        ordered = sorted(steps, key=lambda s: s.step, reverse=True)
+        restorable = [s for s in ordered if s.state == "verified" and not s.marked_bad]
+        newest_ok = restorable[0].step if restorable else None
+        keep: dict[int, str] = {}
+        if self.keep_last is not None:
+            for s in restorable[: max(self.keep_last, 1)]:
+                keep[s.id] = f"one of the newest {max(self.keep_last, 1)} restorable"
+        elif restorable:
+            keep.update({s.id: "keep_last unset: restorable steps are kept" for s in restorable})
+        if restorable:
+            keep[restorable[0].id] = "newest restorable step"
+        for s in ordered:
+            if s.id in keep or s.state == "deleting":
+                continue
+            if s.pinned:
+                keep[s.id] = "pinned"
+            elif s.in_use:
+                keep[s.id] = "in use by a resume or conversion"
+            elif self.keep_every and s.step % self.keep_every == 0 and s.state == "verified":
+                keep[s.id] = f"every {self.keep_every}th step"
+            elif newest_ok is None or s.step > newest_ok:
+                if s.marked_bad:
+                    keep[s.id] = "newer than the newest restorable step; marked bad, kept as evidence"
+                elif s.state in ("incomplete", "pending", "verified"):
+                    keep[s.id] = "newer than the newest restorable step; may still become restorable"
+                elif s.state == "corrupt":
+                    keep[s.id] = "newer than the newest restorable step; kept as evidence"
+        delete = tuple(s.id for s in ordered if s.id not in keep and s.state != "deleting")
+        return RetentionPlan(keep, delete)

@@ -1,0 +1,198 @@
+"""Read models and operator actions over the catalog: runs, steps, shards, health, marks, pins.
+
+The API and the CLI both call these functions and only translate the results; nothing here knows
+about HTTP or argv. Results are plain dicts with stable keys (they become JSON).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile
+from ckptd.catalog.repo import _insert_ignore
+from ckptd.errors import CkptdError
+from ckptd.states import StepState
+
+
+class NotFoundError(CkptdError):
+    code = "not_found"
+    default_hint = "list what exists with `ckptd ls` or GET /v1/runs"
+
+
+class InvalidRequestError(CkptdError):
+    code = "invalid_request"
+
+
+def _iso(dt: datetime | None) -> str | None:
+    if dt is None:
+        return None
+    if dt.tzinfo is None:  # SQLite drops the zone; values are stored in UTC
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.isoformat()
+
+
+def get_run(s: Session, name: str) -> Run:
+    run = s.execute(select(Run).where(Run.name == name)).scalar_one_or_none()
+    if run is None:
+        raise NotFoundError(f"no run named {name!r} in the catalog")
+    return run
+
+
+def get_step(s: Session, run: Run, step: int, kind: str = "trained") -> Checkpoint:
+    rows = s.execute(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.kind == kind)
+        .order_by(Checkpoint.epoch.desc())
+    ).scalars().all()
+    if not rows:
+        raise NotFoundError(f"run {run.name!r} has no {kind} checkpoint at step {step}")
+    return rows[0]
+
+
+def run_dict(s: Session, run: Run) -> dict[str, Any]:
+    counts = dict(
+        s.execute(select(Checkpoint.state, func.count()).where(Checkpoint.run_id == run.id).group_by(Checkpoint.state)).all()
+    )
+    latest = s.execute(
+        select(Checkpoint.step, Checkpoint.updated_at)
+        .where(Checkpoint.run_id == run.id, Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained")
+        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc())
+        .limit(1)
+    ).first()
+    return {
+        "name": run.name,
+        "path": run.path,
+        "world_size": run.world_size,
+        "steps": counts,
+        "latest_restorable_step": latest[0] if latest else None,
+        "latest_restorable_at": _iso(latest[1]) if latest else None,
+        "created_at": _iso(run.created_at),
+    }
+
+
+def list_runs(s: Session) -> list[dict[str, Any]]:
+    return [run_dict(s, r) for r in s.execute(select(Run).order_by(Run.name)).scalars()]
+
+
+def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[Shard] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "step": c.step,
+        "epoch": c.epoch,
+        "prefix": c.prefix,
+        "kind": c.kind,
+        "global_step": c.global_step,
+        "state": c.state,
+        "restorable": c.state == StepState.VERIFIED.value and not c.marked_bad,
+        "expected_ranks": c.expected_ranks,
+        "reason": c.reason,
+        "marked_bad": c.marked_bad,
+        "bad_reason": c.bad_reason,
+        "pinned": c.pinned,
+        "strategy_file": strategy_path,
+        "updated_at": _iso(c.updated_at),
+    }
+    if shards is not None:
+        out["shards"] = [shard_dict(sh) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
+    return out
+
+
+def shard_dict(sh: Shard) -> dict[str, Any]:
+    return {
+        "rank": sh.rank,
+        "path": sh.path,
+        "state": sh.state,
+        "size": sh.size,
+        "digest": sh.digest,
+        "format": sh.format,
+        "encryption": sh.encryption,
+        "crc": sh.crc,
+        "global_step": sh.global_step,
+        "error_code": sh.error_code,
+        "error": sh.error,
+        "quarantined": sh.quarantined,
+        "verified_at": _iso(sh.verified_at),
+    }
+
+
+def list_steps(s: Session, run_name: str, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+    run = get_run(s, run_name)
+    if state is not None and state not in {v.value for v in StepState}:
+        raise InvalidRequestError(
+            f"unknown state {state!r}", hint="one of " + ", ".join(v.value for v in StepState)
+        )
+    q = select(Checkpoint).where(Checkpoint.run_id == run.id)
+    if state:
+        q = q.where(Checkpoint.state == state)
+    rows = s.execute(q.order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc()).limit(limit)).scalars().all()
+    paths = _strategy_paths(s, {c.strategy_id for c in rows if c.strategy_id})
+    return [step_dict(c, strategy_path=paths.get(c.strategy_id)) for c in rows]
+
+
+def show_step(s: Session, run_name: str, step: int) -> dict[str, Any]:
+    run = get_run(s, run_name)
+    c = get_step(s, run, step)
+    shards = s.execute(select(Shard).where(Shard.checkpoint_id == c.id)).scalars().all()
+    return step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards))
+
+
+def _strategy_paths(s: Session, ids: set[int | None]) -> dict[int, str]:
+    ids = {i for i in ids if i}
+    if not ids:
+        return {}
+    return dict(s.execute(select(StrategyFile.id, StrategyFile.path).where(StrategyFile.id.in_(ids))).all())
+
+
+# --- operator actions and health ---------------------------------------------------------------
+
+
+def mark_bad(s: Session, run_name: str, step: int, reason: str | None, bad: bool = True) -> dict[str, Any]:
+    c = get_step(s, get_run(s, run_name), step)
+    c.marked_bad, c.bad_reason = bad, (reason if bad else None)
+    return step_dict(c)
+
+
+def pin(s: Session, run_name: str, step: int, pinned: bool = True) -> dict[str, Any]:
+    c = get_step(s, get_run(s, run_name), step)
+    c.pinned = pinned
+    return step_dict(c)
+
+
+def report_health(s: Session, run_name: str, step: int, loss: float | None, grad_norm: float | None, overflow: bool) -> None:
+    """Upsert one step's training health. NaN/inf are meaningful (divergence) and stored as such."""
+    if step < 0:
+        raise InvalidRequestError("step must be >= 0")
+    run = s.execute(select(Run).where(Run.name == run_name)).scalar_one_or_none()
+    if run is None:
+        from ckptd.catalog.repo import get_or_create_run
+
+        run = get_or_create_run(s, run_name, "")  # the trainer may report before its first save
+    inserted = _insert_ignore(
+        s,
+        StepHealth,
+        {"run_id": run.id, "step": step, "loss": loss, "grad_norm": grad_norm, "overflow": overflow,
+         "reported_at": datetime.now(timezone.utc)},
+        ["run_id", "step"],
+    )
+    if not inserted:
+        row = s.execute(select(StepHealth).where(StepHealth.run_id == run.id, StepHealth.step == step)).scalar_one()
+        row.loss, row.grad_norm, row.overflow, row.reported_at = loss, grad_norm, overflow, datetime.now(timezone.utc)
+
+
+def health_history(s: Session, run: Run) -> list[tuple[int, float | None, float | None, bool]]:
+    return [tuple(r) for r in s.execute(
+        select(StepHealth.step, StepHealth.loss, StepHealth.grad_norm, StepHealth.overflow)
+        .where(StepHealth.run_id == run.id)
+        .order_by(StepHealth.step)
+    ).all()]
+
+
+def json_float(x: float | None) -> float | str | None:
+    """JSON has no NaN/inf: render them as strings so clients see them, not a parse error."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)

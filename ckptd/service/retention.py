@@ -1,0 +1,136 @@
+"""Retention (``ckptd gc``): apply a :class:`RetentionPolicy`, deleting in two crash-safe phases.
+
+1. mark: the planned steps go to state ``deleting`` in one transaction (re-planned under the
+   catalog's locks, so a step that became newest-restorable meanwhile is not taken);
+2. delete the shard files (only real files inside the checkpoint root — never through a symlink);
+3. delete the rows. A crash between 1 and 3 leaves steps in ``deleting``; ``finish_pending``
+   (run at daemon start and by every gc) completes them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
+from ckptd.policy import RetentionPolicy
+from ckptd.runlayout import resolves_inside, sidecar_for
+from ckptd.service.resume import step_infos
+from ckptd.states import StepState
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    deleted_steps: int = 0
+    deleted_files: int = 0
+    refused: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "runs": self.plans,
+            "deleted_steps": self.deleted_steps,
+            "deleted_files": self.deleted_files,
+            "refused": self.refused,
+        }
+
+
+def _inside(root: str, path: str) -> bool:
+    return resolves_inside(root, path) and not os.path.islink(path)
+
+
+def _lineage_ids(s: Session) -> set[int]:
+    """Steps that converted copies or conversion jobs point at: deleting them would orphan lineage."""
+    ids = set(s.execute(select(Checkpoint.derived_from_id).where(Checkpoint.derived_from_id.is_not(None))).scalars())
+    ids |= set(s.execute(select(ConversionJob.source_checkpoint_id)).scalars())
+    return ids
+
+
+def plan_run(s: Session, run: Run, policy: RetentionPolicy) -> tuple[list[int], dict[str, Any]]:
+    now = datetime.now(timezone.utc)
+    lineage = _lineage_ids(s)
+    infos = [i if i.id not in lineage else _with_in_use(i) for i in step_infos(s, run.id, now)]
+    plan = policy.plan(infos)
+    by_id = {i.id: i for i in infos}
+    doc = {
+        "run": run.name,
+        "delete": sorted((by_id[i].step for i in plan.delete), reverse=True),
+        "keep": {str(by_id[i].step): why for i, why in sorted(plan.keep.items(), key=lambda kv: -by_id[kv[0]].step)},
+    }
+    return list(plan.delete), doc
+
+
+def _with_in_use(info):  # noqa: ANN001, ANN202 - tiny dataclass helper
+    from dataclasses import replace
+
+    return replace(info, in_use=True)
+
+
+def gc(
+    sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False
+) -> GcReport:
+    report = GcReport(dry_run=dry_run)
+    if not dry_run:
+        finish_pending(sessions, root, report)
+    with sessions.begin() as s:
+        q = select(Run).order_by(Run.name)
+        if run_name is not None:
+            q = q.where(Run.name == run_name)
+        runs = s.execute(q).scalars().all()
+        if run_name is not None and not runs:
+            from ckptd.service.catalog import NotFoundError
+
+            raise NotFoundError(f"no run named {run_name!r} in the catalog")
+        for run in runs:
+            ids, doc = plan_run(s, run, policy)
+            report.plans.append(doc)
+            if dry_run or not ids:
+                continue
+            # phase 1: mark, in the same transaction that planned (rows locked on PostgreSQL)
+            for c in s.execute(_locked(select(Checkpoint).where(Checkpoint.id.in_(ids)), s)).scalars():
+                c.state = StepState.DELETING.value
+    if not dry_run:
+        finish_pending(sessions, root, report)
+    return report
+
+
+def _locked(stmt, s: Session):  # noqa: ANN001, ANN202
+    return stmt.with_for_update() if s.get_bind().dialect.name == "postgresql" else stmt
+
+
+def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None) -> int:
+    """Phases 2 and 3 for every step left in ``deleting`` (also after a crash)."""
+    report = report or GcReport(dry_run=False)
+    with sessions() as s:
+        pending = s.execute(select(Checkpoint.id).where(Checkpoint.state == StepState.DELETING.value)).scalars().all()
+    for ckpt_id in pending:
+        with sessions() as s:
+            paths = s.execute(select(Shard.path).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
+        blocked = False
+        for path in paths:
+            for target in (path, sidecar_for(path)):
+                if not os.path.lexists(target):
+                    continue
+                if not _inside(root, target):
+                    report.refused.append(f"{target}: outside the checkpoint root or a symlink; not deleted")
+                    blocked = True
+                    continue
+                os.unlink(target)
+                report.deleted_files += 1
+        if blocked:
+            continue  # keep the rows: an operator must look at this step
+        with sessions.begin() as s:
+            shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
+            s.execute(delete(VerificationEvent).where(
+                (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
+            s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
+            s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id, Checkpoint.state == StepState.DELETING.value))
+        report.deleted_steps += 1
+    return len(pending)
