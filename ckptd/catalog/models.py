@@ -140,6 +140,9 @@ class StepHealth(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     loss: Mapped[float | None] = mapped_column(Float)
     grad_norm: Mapped[float | None] = mapped_column(Float)
+    # SQLite stores NaN as NULL, and NaN/inf is exactly what matters here: keep it explicitly
+    loss_nonfinite: Mapped[str | None] = mapped_column(String(8))  # "nan" | "inf" | "-inf"
+    grad_norm_nonfinite: Mapped[str | None] = mapped_column(String(8))
     overflow: Mapped[bool] = mapped_column(Boolean, default=False)
     reported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

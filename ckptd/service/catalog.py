@@ -171,24 +171,34 @@ def report_health(s: Session, run_name: str, step: int, loss: float | None, grad
         from ckptd.catalog.repo import get_or_create_run
 
         run = get_or_create_run(s, run_name, "")  # the trainer may report before its first save
-    inserted = _insert_ignore(
-        s,
-        StepHealth,
-        {"run_id": run.id, "step": step, "loss": loss, "grad_norm": grad_norm, "overflow": overflow,
-         "reported_at": datetime.now(timezone.utc)},
-        ["run_id", "step"],
-    )
+    values = {
+        "loss": _finite(loss), "loss_nonfinite": _nonfinite(loss),
+        "grad_norm": _finite(grad_norm), "grad_norm_nonfinite": _nonfinite(grad_norm),
+        "overflow": overflow, "reported_at": datetime.now(timezone.utc),
+    }
+    inserted = _insert_ignore(s, StepHealth, {"run_id": run.id, "step": step, **values}, ["run_id", "step"])
     if not inserted:
         row = s.execute(select(StepHealth).where(StepHealth.run_id == run.id, StepHealth.step == step)).scalar_one()
-        row.loss, row.grad_norm, row.overflow, row.reported_at = loss, grad_norm, overflow, datetime.now(timezone.utc)
+        for k, v in values.items():
+            setattr(row, k, v)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _nonfinite(x: float | None) -> str | None:
+    return None if x is None or math.isfinite(x) else str(x)
 
 
 def health_history(s: Session, run: Run) -> list[tuple[int, float | None, float | None, bool]]:
-    return [tuple(r) for r in s.execute(
-        select(StepHealth.step, StepHealth.loss, StepHealth.grad_norm, StepHealth.overflow)
+    rows = s.execute(
+        select(StepHealth.step, StepHealth.loss, StepHealth.loss_nonfinite, StepHealth.grad_norm,
+               StepHealth.grad_norm_nonfinite, StepHealth.overflow)
         .where(StepHealth.run_id == run.id)
         .order_by(StepHealth.step)
-    ).all()]
+    ).all()
+    return [(step, float(lnf) if lnf else loss, float(gnf) if gnf else gn, ov) for step, loss, lnf, gn, gnf, ov in rows]
 
 
 def json_float(x: float | None) -> float | str | None:

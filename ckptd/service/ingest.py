@@ -142,11 +142,15 @@ class Ingestor:
 
     def _vanished(self, path: str) -> str:
         with self.sessions.begin() as s:
-            shard = s.execute(select(Shard).where(Shard.path == path)).scalar_one_or_none()
-            if shard is None or shard.state == ShardState.DELETED.value:
+            ckpt_id = s.execute(select(Shard.checkpoint_id).where(Shard.path == path)).scalar_one_or_none()
+            if ckpt_id is None:
+                return "ignored"
+            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
+            shard = s.execute(select(Shard).where(Shard.path == path)).scalar_one()
+            if shard.state == ShardState.DELETED.value:
                 return "ignored"
             repo.mark_deleted(s, shard)
-            repo.recompute_step_state(s, repo.lock_checkpoint(s, shard.checkpoint_id))
+            repo.recompute_step_state(s, ckpt)
         return "deleted"
 
     def _reconcile_deleted(self, seen: set[str]) -> int:

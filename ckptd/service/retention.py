@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -97,6 +98,8 @@ def gc(
             for c in s.execute(_locked(select(Checkpoint).where(Checkpoint.id.in_(ids)), s)).scalars():
                 c.state = StepState.DELETING.value
     if not dry_run:
+        if os.environ.get("CKPTD_FAULT_GC_CRASH_AFTER_MARK") == "1":  # test hook: die between phases 1 and 2
+            os.kill(os.getpid(), signal.SIGKILL)
         finish_pending(sessions, root, report)
     return report
 

@@ -120,10 +120,11 @@ class Verifier:
         before = stat_of(path)
         if before is None:
             with self.sessions.begin() as s:
+                ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
                 row = s.get(Shard, shard_id)
                 if row is not None:
                     repo.mark_deleted(s, row)
-                    self._refresh_step(s, ckpt_id)
+                    repo.recompute_step_state(s, ckpt)
             return ShardState.DELETED
         t0 = time.perf_counter()
         values, problems = self._check_file(path)
@@ -139,11 +140,12 @@ class Verifier:
         else:
             values["error_code"] = values["error"] = None
         with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             stored = repo.record_verification(
                 s, shard_id, before, state=state, values=values, detail=values.get("error"), seconds=time.perf_counter() - t0
             )
             if stored:
-                self._refresh_step(s, ckpt_id)
+                repo.recompute_step_state(s, ckpt)
         if stored:
             self.verified_bytes += before.size
             self.verify_seconds += time.perf_counter() - t0
@@ -171,9 +173,6 @@ class Verifier:
         return values, problems
 
     # --- steps ---------------------------------------------------------------------------------
-
-    def _refresh_step(self, s: Session, ckpt_id: int) -> StepState:
-        return repo.recompute_step_state(s, repo.lock_checkpoint(s, ckpt_id))
 
     def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
         if row is None or row.error:

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 23:45:33.585607
+Create Date: 2026-11-29 23:47:13.236572
 """
 
 from alembic import op
@@ -47,6 +47,8 @@ def upgrade() -> None:
     sa.Column('step', sa.BigInteger(), nullable=False),
     sa.Column('loss', sa.Float(), nullable=True),
     sa.Column('grad_norm', sa.Float(), nullable=True),
+    sa.Column('loss_nonfinite', sa.String(length=8), nullable=True),
+    sa.Column('grad_norm_nonfinite', sa.String(length=8), nullable=True),
     sa.Column('overflow', sa.Boolean(), nullable=False),
     sa.Column('reported_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ),

@@ -1,0 +1,254 @@
+"""REST API over real HTTP against a real catalog (SQLite and PostgreSQL) and real MindSpore files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ckptd.settings import Settings
+from tests.api_helpers import Server
+from tests.daemon_helpers import query, save_shard, write_tp_strategy
+
+TOKENS = {"r-token": "read", "p-token": "report", "a-token": "admin"}
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def server(root, catalog_url):
+    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, tokens=TOKENS)
+    with Server(settings) as srv:
+        yield srv
+
+
+def _wait_job(server, job_id):
+    import time
+
+    deadline = time.monotonic() + 30
+    while (j := server.client("r-token").get(f"/v1/jobs/{job_id}").json())["state"] not in ("done", "failed"):
+        assert time.monotonic() < deadline, j
+        time.sleep(0.05)
+    return j
+
+
+def _job(ms, root, steps=(100, 200, 300), ranks=2):
+    write_tp_strategy(root / "run1")
+    for step in steps:
+        for rank in range(ranks):
+            save_shard(ms, root, "run1", rank, step)
+
+
+def test_resume_answers_newest_verified_step(ms, root, server):
+    _job(ms, root)
+    server.settle()
+    r = server.client("r-token").get("/v1/runs/run1/resume")
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["step"] == 300 and doc["epoch"] == 1 and doc["world_size"] == 2
+    assert doc["strategy_file"] == str(root / "run1" / "strategy.ckpt")
+    assert doc["shards"] == [{"rank": r, "path": str(root / "run1" / f"rank_{r}" / "net-1_300.ckpt")} for r in range(2)]
+    assert doc["skipped"] == [] and doc["conversion"] is None
+
+
+def test_resume_falls_back_past_corrupt_incomplete_unhealthy_and_bad(ms, root, server):
+    _job(ms, root, steps=(100, 200, 300, 400, 500))
+    save_shard(ms, root, "run1", 0, 600)  # rank 1 never saved step 600
+    server.settle()
+    # step 500: one shard rots on disk
+    victim = root / "run1" / "rank_1" / "net-1_500.ckpt"
+    os.chmod(victim, 0o600)
+    with open(victim, "r+b") as fh:
+        fh.seek(40)
+        b = fh.read(1)
+        fh.seek(40)
+        fh.write(bytes([b[0] ^ 1]))
+    admin, reporter = server.client("a-token"), server.client("p-token")
+    # bit rot keeps size (and maybe mtime): an on-demand re-verification finds it by digest and CRC
+    _wait_job(server, admin.post("/v1/runs/run1/verify", json={"step": 500}).json()["id"])
+    # step 400: training diverged there (NaN loss reported by the trainer)
+    assert reporter.post("/v1/runs/run1/health", json={"step": 350, "loss": 2.5}).status_code == 204
+    assert reporter.post("/v1/runs/run1/health", content=b'{"step": 390, "loss": NaN}',
+                         headers={"content-type": "application/json"}).status_code == 204
+    # step 300: an operator marks it bad
+    assert admin.post("/v1/runs/run1/steps/300/mark-bad", json={"reason": "data bug"}).status_code == 200
+    doc = server.client("r-token").get("/v1/runs/run1/resume").json()
+    assert doc["step"] == 200
+    assert [(s["step"], s["reason"].split(":")[0]) for s in doc["skipped"]] == [
+        (600, "incomplete"), (500, "corrupt"), (400, "unhealthy"), (300, "marked bad by an operator")]
+    assert "nan" in doc["skipped"][2]["reason"]
+    # "resume at or before N"
+    assert server.client("r-token").get("/v1/runs/run1/resume", params={"max_step": 150}).json()["step"] == 100
+
+
+def test_resume_with_deleted_newest_and_nothing_restorable(ms, root, server):
+    _job(ms, root, steps=(100, 200))
+    server.settle()
+    (root / "run1" / "rank_0" / "net-1_200.ckpt").unlink()
+    server.settle()
+    c = server.client("r-token")
+    doc = c.get("/v1/runs/run1/resume").json()
+    assert doc["step"] == 100 and doc["skipped"] == [{"step": 200, "reason": "deleted: a shard file is gone"}]
+    r = c.get("/v1/runs/run1/resume", params={"max_step": 50})
+    assert r.status_code == 404 and r.json()["detail"]["code"] == "no_restorable_step"
+    assert c.get("/v1/runs/nope/resume").status_code == 404
+
+
+def test_resume_for_another_world_size_says_conversion_needed(ms, root, server):
+    _job(ms, root, steps=(100,))
+    server.settle()
+    doc = server.client("r-token").get("/v1/runs/run1/resume", params={"world_size": 4}).json()
+    assert doc["conversion"]["needed"] and doc["conversion"]["to_world_size"] == 4 and doc["conversion"]["existing"] is None
+
+
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("post", "/v1/runs/run1/steps/100/mark-bad", {}),
+        ("post", "/v1/runs/run1/steps/100/unmark-bad", None),
+        ("post", "/v1/runs/run1/steps/100/pin", None),
+        ("post", "/v1/runs/run1/steps/100/unpin", None),
+        ("post", "/v1/runs/run1/verify", {}),
+        ("post", "/v1/runs/run1/gc", {"dry_run": True}),
+        ("post", "/v1/runs/run1/health", {"step": 1, "loss": 1.0}),
+    ],
+)
+def test_every_mutation_needs_auth(ms, root, server, method, path, body):
+    _job(ms, root, steps=(100,))
+    server.settle()
+    kwargs = {"json": body} if body is not None else {}
+    assert getattr(server.client(), method)(path, **kwargs).status_code == 401
+    assert getattr(server.client("wrong"), method)(path, **kwargs).status_code == 401
+    assert getattr(server.client("r-token"), method)(path, **kwargs).status_code == 403
+    needed = "p-token" if path.endswith("/health") else "a-token"
+    if needed == "a-token":
+        assert getattr(server.client("p-token"), method)(path, **kwargs).status_code == 403
+    assert getattr(server.client(needed), method)(path, **kwargs).status_code < 300
+    assert server.client().get("/v1/runs").status_code == 401  # reads need a token too
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/runs/..%2F..%2Fetc/resume", "/v1/runs/%2Fetc%2Fpasswd/steps", "/v1/runs/a%00b/resume",
+     "/v1/runs/.hidden/steps", "/v1/runs/run1/steps/..%2F..%2Fetc"],
+)
+def test_traversal_attempts_are_refused(root, server, path):
+    r = server.client("a-token").get(path)
+    assert 400 <= r.status_code < 500 and r.status_code != 500
+
+
+def test_symlinks_out_of_the_root_are_never_catalogued(ms, root, server, tmp_path):
+    outside = tmp_path / "outside"
+    save_shard(ms, outside, "evil", 0, 100)
+    (root / "run2").mkdir()
+    os.symlink(outside / "evil" / "rank_0", root / "run2" / "rank_0")  # a rank dir pointing out of the root
+    os.symlink(outside / "evil", root / "run3")  # a run dir pointing out of the root
+    server.settle()
+    paths = [p for (p,) in query(server.app.state.settings.db, "SELECT path FROM shards")]
+    assert paths == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b'{"step": "x"}', b'{"step": -1, "loss": 1}', b'{"loss": 1}', b'{"step": 1, "extra": 2}', b"[]"],
+)
+def test_malformed_bodies_get_a_clear_4xx(root, server, body):
+    r = server.client("a-token").post("/v1/runs/run1/health", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"]["code"] == "invalid_request" and r.json()["detail"]["message"]
+
+
+def test_steps_shards_jobs_metrics_and_openapi(ms, root, server):
+    _job(ms, root, steps=(100, 200))
+    server.settle()
+    c, admin = server.client("r-token"), server.client("a-token")
+    steps = c.get("/v1/runs/run1/steps", params={"state": "verified"}).json()
+    assert [s["step"] for s in steps] == [200, 100] and all(s["restorable"] for s in steps)
+    assert c.get("/v1/runs/run1/steps", params={"state": "bogus"}).status_code == 400
+    shards = c.get("/v1/runs/run1/steps/200/shards").json()
+    assert [s["state"] for s in shards] == ["verified", "verified"] and shards[0]["crc"] == "valid"
+    job = admin.post("/v1/runs/run1/verify", json={"step": 200}).json()
+    assert job["kind"] == "verify" and job["total"] == 2
+    j = _wait_job(server, job["id"])
+    assert j["state"] == "done" and j["done"] == 2 and j["progress"] == 1.0 and j["result"]["shards"] == {"verified": 2}
+    metrics = c.get("/metrics").text
+    assert 'ckptd_shards{state="verified"} 4' in metrics
+    assert 'ckptd_recovery_point_seconds{run="run1"}' in metrics and "ckptd_verified_bytes_total" in metrics
+    assert server.client().get("/healthz").json()["status"] == "ok"
+    schema = server.client().get("/openapi.json").json()
+    resume_schema = schema["components"]["schemas"]["ResumeAnswer"]
+    assert {"step", "epoch", "strategy_file", "shards", "skipped"} <= set(resume_schema["required"])
+
+
+def test_gc_dry_run_then_delete_keeps_the_invariants(ms, root, server):
+    _job(ms, root, steps=(100, 200, 300, 400))
+    server.settle()
+    admin = server.client("a-token")
+    admin.post("/v1/runs/run1/steps/100/pin")
+    plan = admin.post("/v1/runs/run1/gc", json={"keep_last": 2, "dry_run": True}).json()
+    assert plan["runs"][0]["delete"] == [200]
+    assert (root / "run1" / "rank_0" / "net-1_200.ckpt").exists()
+    done = admin.post("/v1/runs/run1/gc", json={"keep_last": 2, "dry_run": False}).json()
+    assert done["deleted_steps"] == 1 and done["deleted_files"] == 2
+    assert not (root / "run1" / "rank_0" / "net-1_200.ckpt").exists()
+    assert (root / "run1" / "rank_0" / "net-1_100.ckpt").exists()
+    server.settle()
+    assert sorted(s["step"] for s in server.client("r-token").get("/v1/runs/run1/steps").json()) == [100, 300, 400]
+
+
+def test_gc_killed_between_phases_is_finished_on_restart(ms, root, catalog_url):
+    _job(ms, root, steps=(100, 200, 300))
+    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2)
+    with Server(settings) as srv:
+        srv.settle()
+    env = dict(os.environ, CKPTD_FAULT_GC_CRASH_AFTER_MARK="1")
+    proc = subprocess.run([sys.executable, "-m", "ckptd", "gc", "--run", "run1", "--keep-last", "1", "--db", catalog_url,
+                           "--root", str(root)], env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    states = dict(query(catalog_url, "SELECT step, state FROM checkpoints"))
+    assert states == {100: "deleting", 200: "deleting", 300: "verified"}
+    assert (root / "run1" / "rank_0" / "net-1_100.ckpt").exists()  # phase 2 never ran
+    with Server(settings) as srv:  # the daemon finishes interrupted deletions at start
+        srv.settle()
+        doc = srv.client().get("/v1/runs/run1/resume").json()
+    assert dict(query(catalog_url, "SELECT step, state FROM checkpoints")) == {300: "verified"}
+    assert not (root / "run1" / "rank_1" / "net-1_200.ckpt").exists()
+    assert doc["step"] == 300
+
+
+def test_cli_resume_ls_show_gc_verify_config(ms, root, catalog_url):
+    _job(ms, root, steps=(100, 200))
+    with Server(Settings(root=root, db=catalog_url, settle_seconds=0.2)) as srv:
+        srv.settle()
+
+    def ckptd(*args):
+        return subprocess.run([sys.executable, "-m", "ckptd", *args], capture_output=True, text=True,
+                              env=dict(os.environ, CKPTD_DB=catalog_url, CKPTD_ROOT=str(root)))
+
+    r = ckptd("resume", "--run", "run1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step"] == 200
+    assert "run1" in ckptd("ls").stdout
+    assert "verified" in ckptd("ls", "run1").stdout
+    assert ckptd("show", "run1", "200").returncode == 0
+    r = ckptd("verify", "--run", "run1", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["shards"] == {"verified": 4}
+    r = ckptd("gc", "--run", "run1", "--keep-last", "1", "--dry-run", "--json")
+    assert json.loads(r.stdout)["runs"][0]["delete"] == [100]
+    assert ckptd("mark-bad", "--run", "run1", "--step", "200", "--reason", "spike").returncode == 0
+    assert json.loads(ckptd("resume", "--run", "run1", "--json").stdout)["step"] == 100
+    r = ckptd("resume", "--run", "nope")
+    assert r.returncode == 1 and "no run named 'nope'" in r.stderr and "Traceback" not in r.stderr
+    assert json.loads(ckptd("config", "show").stdout)["root"] == str(root)
+    r = ckptd("serve", "--host", "0.0.0.0", "--root", str(root))
+    assert r.returncode != 0 and "refusing to listen on 0.0.0.0 without authentication" in r.stderr
