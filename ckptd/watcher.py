@@ -27,10 +27,10 @@ class _Handler(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.is_directory and event.event_type != "moved":
             return
-        self.watcher.poke(str(event.src_path))
-        dest = getattr(event, "dest_path", "")
-        if dest:
-            self.watcher.poke(str(dest))  # MindSpore's tmp -> final rename: the commit point
+        for path in (str(event.src_path), str(getattr(event, "dest_path", "") or "")):
+            if not path:
+                continue
+            self.watcher.poke(path)  # dest_path: MindSpore's tmp -> final rename, the commit point
 
 
 class Watcher:

@@ -265,3 +265,20 @@ def test_daemon_refuses_unmigrated_and_newer_catalogs(root, tmp_path, catalog_ur
     engine.dispose()
     with pytest.raises(SchemaMismatchError, match="newer than this ckptd knows"):
         Daemon(Settings(root=root, db=catalog_url))
+
+
+def test_sidecar_commit_hint_is_checked(ms, root, catalog_url, daemon):
+    import json
+
+    import xxhash
+
+    write_tp_strategy(root / "run1")
+    for rank in range(2):
+        path = save_shard(ms, root, "run1", rank, 100)
+        data = path.read_bytes()
+        digest = xxhash.xxh3_128(data).hexdigest() if rank == 0 else "0" * 32  # rank 1's hint disagrees
+        (path.parent / (path.name + ".done")).write_text(json.dumps({"size": len(data), "xxh3_128": digest}))
+    daemon.ingestor.rescan()
+    _settled(daemon, catalog_url, {100: "corrupt"})
+    codes = dict(query(catalog_url, "SELECT rank, error_code FROM shards"))
+    assert codes == {0: None, 1: "sidecar_mismatch"}

@@ -86,7 +86,20 @@ class Ingestor:
             return self._ingest_strategy(kind.run, path)
         if isinstance(kind, runlayout.ShardName):
             return self._ingest_shard(kind, path)
+        if path.endswith(runlayout.SIDECAR_SUFFIX):
+            return self._sidecar(path[: -len(runlayout.SIDECAR_SUFFIX)])
         return "ignored"
+
+    def _sidecar(self, shard_path: str) -> str:
+        """A commit hint appeared or changed: (re-)check its shard against it."""
+        if not isinstance(runlayout.classify(self.root, shard_path), runlayout.ShardName):
+            return "ignored"
+        outcome = self.examine(shard_path)
+        with self.sessions() as s:
+            shard_id = s.execute(select(Shard.id).where(Shard.path == shard_path)).scalar_one_or_none()
+        if shard_id is not None and outcome == "same":
+            self.submit(shard_id)
+        return outcome
 
     # --- shards --------------------------------------------------------------------------------
 
@@ -99,7 +112,9 @@ class Ingestor:
             return "ignored"  # symlinks (file or directory) are never followed out of the root
         # MindSpore renames into place then chmods 0400; a writable file may still be growing
         # (an operator's cp), so it must be unchanged for settle_seconds first.
-        if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds:
+        if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds and not os.path.exists(
+            runlayout.sidecar_for(path)  # the trainer's "done" sidecar says the write is complete
+        ):
             return "unsettled"
         fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
         parse_error = self._parse_error(path)

@@ -25,6 +25,7 @@ from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.strategy import Strategy, load_strategy
 from ckptd.format.verify import verify_file
 from ckptd.service.stepcheck import ShardRef, check_step, content_step
+from ckptd.runlayout import sidecar_for
 from ckptd.settings import Settings
 from ckptd.states import ShardState, StepState
 
@@ -41,6 +42,18 @@ def file_digest(path: str) -> str:
         while n := fh.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def read_sidecar(path: str) -> dict[str, object] | None:
+    """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present and readable."""
+    import json
+
+    try:
+        with open(sidecar_for(path), "rb") as fh:
+            data = json.loads(fh.read(4096))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def stat_of(path: str) -> repo.FileStat | None:
@@ -159,6 +172,10 @@ class Verifier:
 
     def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
         values: dict[str, object] = {"digest": file_digest(path)}
+        hint = read_sidecar(path)
+        if hint is not None and (hint.get("size") != os.path.getsize(path) or hint.get("xxh3_128") not in (None, values["digest"])):
+            return values, [("sidecar_mismatch", f"the file differs from what the trainer recorded in {path}.done "
+                                                 f"(size {hint.get('size')}, digest {str(hint.get('xxh3_128'))[:12]}…)")]
         report = verify_file(path, self.key, require_crc=self.settings.require_crc)
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
