@@ -1,55 +1,98 @@
-"""`make demo`: what ckptd sees in checkpoints that MindSpore itself writes.
+"""`make demo`: ckptd watching a MindSpore job's checkpoints and answering "where do I resume?".
 
-1. MindSpore saves a small Llama-style model's per-rank shards the way production jobs do
-   (plain + CRC, AES-GCM encrypted, safetensors), with step/epoch in append_dict.
-2. `ckptd inspect` and `ckptd verify` read them (no MindSpore in ckptd itself).
-3. We damage copies the ways real jobs do — a save torn by a dying node, a flipped bit, the wrong
-   key — and ckptd says exactly what is wrong and where, and exits non-zero.
+1. `ckptd serve` starts (embedded SQLite catalog, loopback only) on ./demo-out/checkpoints.
+2. A tensor-parallel job (tp=2) saves per-rank shards with MindSpore at steps 100..300.
+3. Things go wrong as they do at scale: a node dies in the middle of saving step 400, a bit rots
+   in step 300; the launcher asks ckptd where to resume and is told step 200, with the reasons.
+4. The file tools: `ckptd inspect` / `ckptd verify` on single shards (also encrypted ones).
 Everything lands in ./demo-out (recreated on each run).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-OUT = Path("demo-out")
+OUT = Path("demo-out").resolve()
+ROOT = OUT / "checkpoints"
 CKPTD = [sys.executable, "-m", "ckptd"]
+TP, D, VOCAB = 2, 128, 256
 
 
 def banner(text: str) -> None:
     print(f"\n\033[1m== {text}\033[0m", flush=True)
 
 
-def run(*args: str) -> int:
-    shown = " ".join(["ckptd", *args])
-    print(f"$ {shown}", flush=True)
-    return subprocess.call([*CKPTD, *args])
+def run(*args: str, show: bool = True) -> int:
+    print(f"$ ckptd {' '.join(args)}", flush=True)
+    return subprocess.call([*CKPTD, *args], stdout=None if show else subprocess.DEVNULL)
 
 
-def llama_params(rank: int, tp: int = 2, d: int = 256, vocab: int = 512, layers: int = 1) -> dict[str, np.ndarray]:
-    """One tensor-parallel rank's slice of a tiny Llama: column-parallel qkv/gate/up, row-parallel o/down."""
-    rng = np.random.default_rng(rank)
-    p: dict[str, np.ndarray] = {"embed.weight": rng.standard_normal((vocab // tp, d), np.float32)}
-    for i in range(layers):
-        pre = f"layers.{i}."
-        p[pre + "attn_norm.weight"] = np.ones(d, np.float32)
-        for name in ("q", "k", "v"):
-            p[pre + f"attn.w{name}.weight"] = rng.standard_normal((d // tp, d), np.float32)
-        p[pre + "attn.wo.weight"] = rng.standard_normal((d, d // tp), np.float32)
-        p[pre + "mlp_norm.weight"] = np.ones(d, np.float32)
-        p[pre + "mlp.w_gate.weight"] = rng.standard_normal((4 * d // tp, d), np.float32)
-        p[pre + "mlp.w_up.weight"] = rng.standard_normal((4 * d // tp, d), np.float32)
-        p[pre + "mlp.w_down.weight"] = rng.standard_normal((d, 4 * d // tp), np.float32)
-    p["lm_head.weight"] = rng.standard_normal((vocab // tp, d), np.float32)
-    p.update({f"adam_m.{k}": np.zeros_like(v) for k, v in list(p.items())})
-    p["global_step"] = np.array([200], np.int32)
+def shard_tensors(rank: int, step: int) -> dict[str, np.ndarray]:
+    """One tensor-parallel rank's slice of a tiny Llama layer plus Adam moments."""
+    rng = np.random.default_rng(step * 10 + rank)
+    p = {
+        "embed.weight": rng.standard_normal((VOCAB // TP, D), np.float32),
+        "attn.wq.weight": rng.standard_normal((D // TP, D), np.float32),
+        "attn.wo.weight": rng.standard_normal((D, D // TP), np.float32),
+        "norm.weight": np.ones(D, np.float32),
+    }
+    p.update({f"adam_m.{k}": v * 0.01 for k, v in list(p.items())})
     return p
+
+
+def write_strategy(run_dir: Path) -> None:
+    from ckptd.format.layout import TensorLayout
+    from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+
+    maps = {"embed.weight": (1, -1), "attn.wq.weight": (1, -1), "attn.wo.weight": (-1, 1), "norm.weight": (-1,)}
+    entries = []
+    for name, tmap in maps.items():
+        for full in (name, f"adam_m.{name}"):
+            entries.append(ParamStrategy(full, TensorLayout(dev_matrix=(1, TP), tensor_map=tuple(0 if m == 1 else m for m in tmap))))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_strategy(Strategy.build(tuple(entries)), run_dir / "strategy.ckpt")
+
+
+def save(ms, rank: int, step: int) -> Path:
+    rank_dir = ROOT / "llama" / f"rank_{rank}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    path = rank_dir / f"llama-1_{step}.ckpt"
+    data = [{"name": n, "data": ms.Tensor(a)} for n, a in shard_tensors(rank, step).items()]
+    ms.save_checkpoint(data, str(path), crc_check=True, append_dict={"step_num": step, "epoch_num": 1, "rank_id": rank})
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("demo: timed out waiting for ckptd")
+        time.sleep(0.2)
 
 
 def main() -> int:
@@ -57,54 +100,71 @@ def main() -> int:
     import mindspore as ms
 
     shutil.rmtree(OUT, ignore_errors=True)
-    run_dir = OUT / "run1"
-    key = os.urandom(32)
-    (OUT / "ckpt.key").parent.mkdir(parents=True, exist_ok=True)
-    (OUT / "ckpt.key").write_bytes(key)
+    ROOT.mkdir(parents=True)
+    db = f"sqlite:///{OUT / 'catalog.db'}"
+    env = dict(os.environ, CKPTD_DB=db, CKPTD_ROOT=str(ROOT), CKPTD_SETTLE_SECONDS="0.5")
+    os.environ.update(CKPTD_DB=db, CKPTD_ROOT=str(ROOT))
 
-    banner("1. MindSpore writes per-rank shards of step 200 (tp=2): plain+CRC, AES-GCM, safetensors")
-    for rank in range(2):
-        rank_dir = run_dir / f"rank_{rank}"
-        rank_dir.mkdir(parents=True)
-        tensors = [{"name": n, "data": ms.Tensor(a)} for n, a in llama_params(rank).items()]
-        append = {"epoch_num": 1, "step_num": 200}
-        ms.save_checkpoint(tensors, str(rank_dir / "llama-1_200.ckpt"), crc_check=True, append_dict=append)
-        ms.save_checkpoint(tensors, str(rank_dir / "llama_enc-1_200.ckpt"), enc_key=key, enc_mode="AES-GCM",
-                           append_dict=append)
-        ms.save_checkpoint(tensors, str(rank_dir / "llama-1_200.safetensors"), format="safetensors", crc_check=True)
-    for f in sorted(run_dir.rglob("*")):
-        if f.is_file():
-            print(f"  {f}  {f.stat().st_size:,} bytes")
+    banner("1. Start ckptd (catalog: embedded SQLite; API on loopback)")
+    run("db", "upgrade")
+    port = free_port()
+    log = open(OUT / "ckptd.log", "wb")
+    server = subprocess.Popen([*CKPTD, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(base))
+        print(f"ckptd serving on {base} (log: {OUT / 'ckptd.log'})")
 
-    banner("2. ckptd inspects a shard (no MindSpore involved)")
-    run("inspect", str(run_dir / "rank_0" / "llama-1_200.ckpt"))
-    banner("   ... and an encrypted one, with the key file")
-    run("inspect", str(run_dir / "rank_1" / "llama_enc-1_200.ckpt"), "--key-file", str(OUT / "ckpt.key"))
+        banner("2. A tp=2 MindSpore job saves per-rank shards at steps 100, 200, 300")
+        write_strategy(ROOT / "llama")
+        for step in (100, 200, 300):
+            for rank in range(TP):
+                print(f"  rank {rank} saved {save(ms, rank, step).relative_to(OUT)}")
+        wait_until(lambda: get(f"{base}/v1/runs/llama/resume").get("step") == 300)
+        run("ls", "llama")
+        print(f"$ curl {base}/v1/runs/llama/resume")
+        print(json.dumps(get(f"{base}/v1/runs/llama/resume"), indent=2))
 
-    banner("3. ckptd verifies every plaintext shard completely (structure + CRC)")
-    run("verify", *[str(p) for p in sorted(run_dir.rglob("llama-1_200.*"))])
+        banner("3. A node dies while saving step 400; a bit rots in step 300")
+        save(ms, 0, 400)
+        torn = ROOT / "llama" / "rank_1" / "llama-1_400.tmp"  # rank 1's save never reached its rename
+        torn.write_bytes((ROOT / "llama" / "rank_0" / "llama-1_400.ckpt").read_bytes()[:5000])
+        victim = ROOT / "llama" / "rank_0" / "llama-1_300.ckpt"
+        os.chmod(victim, 0o600)
+        with open(victim, "r+b") as fh:
+            fh.seek(victim.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0x08]))
+        print("  rank_1/llama-1_400.tmp left behind (never renamed); rank_0/llama-1_300.ckpt has one flipped bit")
+        run("verify", "--run", "llama", "--step", "300")
+        banner("   The launcher asks where to resume")
+        run("resume", "--run", "llama")
+        run("show", "llama", "300")
 
-    banner("4. Damage, as real jobs do it")
-    bad = OUT / "damaged"
-    bad.mkdir()
-    src = (run_dir / "rank_0" / "llama-1_200.ckpt").read_bytes()
-    (bad / "torn-1_200.ckpt").write_bytes(src[: len(src) * 2 // 3])  # node died mid-save
-    flipped = bytearray(src)
-    flipped[len(flipped) // 2] ^= 0x10  # one bit rotted on disk
-    (bad / "bitflip-1_200.ckpt").write_bytes(bytes(flipped))
-    enc = bytearray((run_dir / "rank_0" / "llama_enc-1_200.ckpt").read_bytes())
-    enc[-1] ^= 0x01  # tampered ciphertext
-    (bad / "tampered_enc-1_200.ckpt").write_bytes(bytes(enc))
-    rc = run("verify", str(bad / "torn-1_200.ckpt"), str(bad / "bitflip-1_200.ckpt"))
-    print(f"  exit code {rc} (non-zero: do not resume from these)")
-    rc = run("verify", "--key-file", str(OUT / "ckpt.key"), str(bad / "tampered_enc-1_200.ckpt"))
-    print(f"  exit code {rc}")
-    (OUT / "wrong.key").write_bytes(os.urandom(32))
-    rc = run("verify", "--key-file", str(OUT / "wrong.key"), str(run_dir / "rank_0" / "llama_enc-1_200.ckpt"))
-    print(f"  exit code {rc}")
-
-    banner("Done. Files are in ./demo-out; try `.venv/bin/ckptd inspect --help`.")
+        banner("4. File tools on single shards (no catalog needed)")
+        run("inspect", str(ROOT / "llama" / "rank_0" / "llama-1_200.ckpt"))
+        key = os.urandom(32)
+        (OUT / "ckpt.key").write_bytes(key)
+        enc = OUT / "encrypted-1_200.ckpt"
+        data = [{"name": n, "data": ms.Tensor(a)} for n, a in shard_tensors(0, 200).items()]
+        ms.save_checkpoint(data, str(enc), enc_key=key, enc_mode="AES-GCM")
+        run("verify", "--key-file", str(OUT / "ckpt.key"), str(enc))
+        (OUT / "wrong.key").write_bytes(os.urandom(32))
+        run("verify", "--key-file", str(OUT / "wrong.key"), str(enc))
+        run("verify", str(victim), str(ROOT / "llama" / "rank_0" / "llama-1_200.ckpt"))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    banner(f"Done. Catalog, checkpoints and the daemon log are in {OUT}")
     return 0
+
+
+def _up(base: str) -> bool:
+    try:
+        return get(f"{base}/healthz").get("first_rescan_done", False)
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -169,9 +169,20 @@ def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
     new = step_state(ckpt.expected_ranks, by_rank, checks)
     if new.value != ckpt.state:
         ckpt.state = new.value
-        if duplicate and not ckpt.reason:
-            ckpt.reason = "a rank has more than one shard file for this step"
+    if duplicate and not ckpt.reason:
+        ckpt.reason = "a rank has more than one shard file for this step"
+    elif new == StepState.CORRUPT and ckpt.step_checks_ok is not False:
+        ckpt.reason = _shard_failures(session, ckpt.id)  # the evidence, not just "corrupt"
     return new
+
+
+def _shard_failures(session: Session, ckpt_id: int) -> str:
+    bad = session.execute(
+        select(Shard.rank, Shard.error).where(Shard.checkpoint_id == ckpt_id, Shard.state == ShardState.CORRUPT.value)
+        .order_by(Shard.rank)
+    ).all()
+    text = "; ".join(f"rank {rank}: {error or 'failed verification'}" for rank, error in bad[:3])
+    return text + (f"; and {len(bad) - 3} more ranks" if len(bad) > 3 else "")
 
 
 def _worst(a: ShardState, b: ShardState) -> ShardState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ckptd import __version__
@@ -23,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one-shot commands report through their output; daemon commands configure real logging
+    logging.getLogger("ckptd").addHandler(logging.NullHandler())
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
