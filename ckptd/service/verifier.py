@@ -72,6 +72,7 @@ class Verifier:
         self._pool = ThreadPoolExecutor(max_workers=settings.verify_workers, thread_name_prefix="ckptd-verify")
         self._lock = threading.Lock()
         self._queued: dict[int, Future[None]] = {}
+        self._checking: set[int] = set()
         self._strategies: dict[tuple[str, str], Strategy] = {}
         self.verified_count = 0
         self.failed_count = 0
@@ -102,12 +103,18 @@ class Verifier:
             log.exception("step checks of checkpoint %s failed unexpectedly", ckpt_id)
 
     def _run(self, shard_id: int) -> None:
-        with self._lock:
-            self._queued.pop(shard_id, None)
+        # The id stays "queued" while it runs: a repeat event for the same file (MindSpore's chmod
+        # after the rename) must not verify it twice. A real change mid-run is caught below.
         try:
-            self.verify_shard(shard_id)
+            outcome = self.verify_shard(shard_id)
         except Exception:  # a bug must not kill the worker pool; the shard stays 'complete' and is retried on rescan
             log.exception("verification of shard %s failed unexpectedly", shard_id)
+            outcome = ShardState.COMPLETE
+        finally:
+            with self._lock:
+                self._queued.pop(shard_id, None)
+        if outcome is None:
+            self.submit(shard_id)  # the file changed while we read it: verify the new version
 
     def drain(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -128,7 +135,7 @@ class Verifier:
         with self.sessions() as s:
             shard = s.get(Shard, shard_id)
             if shard is None:
-                return None
+                return ShardState.DELETED
             path, ckpt_id, known_digest = shard.path, shard.checkpoint_id, shard.digest
         before = stat_of(path)
         if before is None:
@@ -146,7 +153,7 @@ class Verifier:
             values["digest"] = known_digest  # keep the evidence of what the file was
         after = stat_of(path)
         if after != before:
-            return None  # the file changed under us; the ingest of the new version re-queues it
+            return None  # the file changed under us: the caller re-queues it
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
         if problems:
             values["error_code"], values["error"] = problems[0][0], "; ".join(msg for _, msg in problems)
@@ -210,7 +217,15 @@ class Verifier:
             shards = s.execute(select(Shard.rank, Shard.path, Shard.state).where(Shard.checkpoint_id == ckpt_id)).all()
             if len(shards) < ckpt.expected_ranks or any(st != ShardState.VERIFIED.value for _, _, st in shards):
                 return
-        self.check_step(ckpt_id)
+        with self._lock:  # the last two shards of a step can finish at the same moment: check once
+            if ckpt_id in self._checking:
+                return
+            self._checking.add(ckpt_id)
+        try:
+            self.check_step(ckpt_id)
+        finally:
+            with self._lock:
+                self._checking.discard(ckpt_id)
 
     def check_step(self, ckpt_id: int) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification)."""
@@ -218,14 +233,19 @@ class Verifier:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None:
                 return []
-            refs = [ShardRef(r, p) for r, p in s.execute(select(Shard.rank, Shard.path).where(
-                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()]
+            rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
+                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
+            refs = [ShardRef(r, p) for r, p, *_ in rows]
             strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
         t0 = time.perf_counter()
         problems = check_step(refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed)
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
+            now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
+                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
+            if sorted(map(tuple, now_rows)) != sorted(map(tuple, rows)):
+                return problems  # shards changed while we checked: the verdict would be stale, recheck later
             steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt_id)).scalars()}
             ckpt.step_checks_ok = not problems
             ckpt.reason = "; ".join(problems) if problems else None
