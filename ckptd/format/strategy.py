@@ -39,7 +39,7 @@ from typing import Literal, Mapping
 from ckptd.errors import CkptdError, LayoutError, StrategyError
 from ckptd.format import protowire as pw
 from ckptd.format.atomic import atomic_write
-from ckptd.format.layout import Slice, TensorLayout, local_shape, replica_groups, slice_for_rank
+from ckptd.format.layout import Slice, TensorLayout, replica_groups, slice_for_rank
 
 StrategyFormat = Literal["proto", "json"]
 MAX_STRATEGY_BYTES = 1 << 30  # far above any real strategy file; refuse to slurp anything bigger
@@ -244,7 +244,9 @@ def parse_strategy_bytes(data: bytes, path: str | os.PathLike[str] | None = None
         raise StrategyError("the strategy file is empty", path=where)
     text_start = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     if text_start.lstrip()[:1] in (b"{", b"["):  # wire types 3 (group): never a valid first protobuf key
-        return _parse_json(text_start, where)
+        from ckptd.format.strategy_json import parse_json
+
+        return parse_json(text_start, where)
     return _parse_proto(data, where)
 
 
@@ -414,77 +416,6 @@ def _parse_proto(data: bytes, where: str) -> Strategy:
     return _assemble(raw, ops, current_stage or 0, "proto", where)
 
 
-# JSON -----------------------------------------------------------------------------------------
-
-
-def _json_ints(value: object, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise StrategyError(f"{what} must be a list of integers, got {value!r}", path=where)
-    return tuple(value)
-
-
-def _json_int(obj: dict, key: str, what: str, where: str, default: int | None = None) -> int:
-    if key not in obj:
-        if default is not None:
-            return default
-        raise StrategyError(f"{what} lacks {key!r}", path=where,
-                            hint="MindSpore's JSON strategy layouts need dev_matrix, tensor_map, field, "
-                            "opt_weight_shard_step and opt_weight_shard_size")
-    v = obj[key]
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise StrategyError(f"{what}: {key!r} must be an integer, got {v!r}", path=where)
-    return v
-
-
-def _parse_json(data: bytes, where: str) -> Strategy:
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise StrategyError(f"invalid JSON: {err}", path=where, hint="the JSON strategy file is damaged or truncated") from None
-    if not isinstance(doc, dict):
-        raise StrategyError("a JSON strategy must be an object", path=where)
-    ops = []
-    op_obj = doc.get("parallel_strategy_item", {})
-    lay_obj = doc.get("parallel_layout_item", {})
-    if not isinstance(op_obj, dict) or not isinstance(lay_obj, dict):
-        raise StrategyError("parallel_strategy_item and parallel_layout_item must be objects", path=where)
-    for node, item in op_obj.items():
-        if not isinstance(item, dict) or not isinstance(item.get("parallel_strategy", []), list):
-            raise StrategyError(f"operator {node!r}: malformed strategy item", path=where)
-        strategies = tuple(_json_ints(s, f"operator {node!r} strategy", where) for s in item.get("parallel_strategy", []))
-        ops.append(OpItem(node, _json_int(item, "stage", f"operator {node!r}", where), strategies))
-    raw = []
-    for name, item in lay_obj.items():
-        what = f"parameter {name!r}"
-        if not isinstance(item, dict):
-            raise StrategyError(f"{what}: layout must be an object", path=where)
-        for key in ("dev_matrix", "tensor_map"):
-            if key not in item:
-                raise StrategyError(f"{what} lacks {key!r}", path=where)
-        tmap = item["tensor_map"]
-        if not isinstance(tmap, list):
-            raise StrategyError(f"{what}: tensor_map must be a list", path=where)
-        shape = _json_ints(item["tensor_shape"], f"{what} tensor_shape", where) if "tensor_shape" in item else None
-        layout = _layout(
-            where, name, None,
-            dev_matrix=_json_ints(item["dev_matrix"], f"{what} dev_matrix", where),
-            tensor_map=[tuple(_json_ints(m, f"{what} tensor_map", where)) if isinstance(m, list) else m for m in tmap],
-            field=_json_int(item, "field", what, where),
-            opt_shard_step=_json_int(item, "opt_weight_shard_step", what, where),
-            opt_shard_size=_json_int(item, "opt_weight_shard_size", what, where),
-            param_split_shape=_json_ints(item.get("param_split_shape", []), f"{what} param_split_shape", where),
-            indices_offset=_json_ints(item.get("indices_offset", []), f"{what} indices_offset", where),
-        )
-        if shape is not None:
-            try:
-                local_shape(layout, shape)
-            except LayoutError as err:
-                raise StrategyError(f"{what}: tensor_shape does not fit its layout: {err.message}", path=where) from None
-        raw.append((name, layout, shape, None))
-    current = _json_int(doc, "current_stage", "strategy", where, default=0)
-    return _assemble(raw, ops, current, "json", where)
-
-
 # --- writing ---------------------------------------------------------------------------------
 
 
@@ -516,34 +447,6 @@ def _to_proto(s: Strategy) -> bytes:
     return b"".join(out)
 
 
-def _to_json(s: Strategy, full_shapes: Mapping[str, tuple[int, ...]] | None) -> bytes:
-    layouts: dict[str, dict[str, object]] = {}
-    for e in s.entries:
-        lay = e.layout
-        if lay.nested:
-            raise StrategyError(
-                f"parameter {e.name!r} has a nested tensor_map {lay.tensor_map_lists()}",
-                path=s.source_path, hint="MindSpore's JSON strategy cannot express nested layouts; save as protobuf",
-            )
-        item: dict[str, object] = {"dev_matrix": list(lay.dev_matrix), "tensor_map": list(lay.tensor_map)}
-        shape = full_shapes.get(e.name) if full_shapes is not None else None
-        shape = shape if shape is not None else e.tensor_shape
-        if shape is not None:
-            item["tensor_shape"] = list(shape)
-        item.update(field=lay.field, opt_weight_shard_step=lay.opt_shard_step, opt_weight_shard_size=lay.opt_shard_size)
-        if lay.param_split_shape or lay.indices_offset:
-            item.update(param_split_shape=list(lay.param_split_shape), indices_offset=list(lay.indices_offset))
-        layouts[_disk_name(s, e)] = item
-    doc = {
-        "current_stage": s.current_stage,
-        "parallel_strategy_item": {
-            op.node_name: {"stage": op.stage, "parallel_strategy": [list(d) for d in op.strategies]} for op in s.op_items
-        },
-        "parallel_layout_item": layouts,
-    }
-    return json.dumps(doc).encode()
-
-
 def save_strategy(
     strategy: Strategy,
     path: str | os.PathLike[str],
@@ -570,6 +473,11 @@ def save_strategy(
             f"format {fmt!r} does not match the file name",
             path=path, hint="MindSpore parses '*.json' as JSON and every other name as protobuf; rename the file",
         )
-    data = _to_json(strategy, full_shapes) if fmt == "json" else _to_proto(strategy)
+    if fmt == "json":
+        from ckptd.format.strategy_json import to_json
+
+        data = to_json(strategy, full_shapes)
+    else:
+        data = _to_proto(strategy)
     with atomic_write(path, overwrite=overwrite) as fh:
         fh.write(data)

@@ -27,7 +27,7 @@ from ckptd.format.verify import verify_file
 from ckptd.service.stepcheck import ShardRef, check_step, content_step
 from ckptd.runlayout import sidecar_for
 from ckptd.settings import Settings
-from ckptd.states import ShardState, StepState
+from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.verifier")
 _DIGEST_CHUNK = 64 << 20
