@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from sqlalchemy.orm import sessionmaker
 
@@ -62,6 +63,17 @@ class Daemon:
                              report.deleted_steps, report.deleted_files, report.refused)
             except Exception:
                 log.exception("background retention failed; will retry")
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until events, ingest and verification are all quiet (seen twice in a row)."""
+        deadline = time.monotonic() + timeout
+        quiet = 0
+        while time.monotonic() < deadline:
+            quiet = quiet + 1 if self.watcher.idle() and self.verifier.idle() else 0
+            if quiet >= 2:
+                return True
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         self._stopping.set()

@@ -24,8 +24,12 @@ class _Handler(FileSystemEventHandler):
     def __init__(self, watcher: "Watcher") -> None:
         self.watcher = watcher
 
+    # Only changes matter. Opens and read-only closes are excluded on purpose: ckptd's own reads
+    # (verification) would otherwise re-trigger examination forever.
+    RELEVANT = frozenset({"created", "modified", "moved", "deleted", "closed"})
+
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.is_directory and event.event_type != "moved":
+        if event.event_type not in self.RELEVANT or (event.is_directory and event.event_type != "moved"):
             return
         for path in (str(event.src_path), str(getattr(event, "dest_path", "") or "")):
             if not path:
@@ -48,6 +52,8 @@ class Watcher:
         self._observer: Observer | None = None
         self._thread = threading.Thread(target=self._loop, name="ckptd-ingest", daemon=True)
         self.rescans = 0
+        self._busy = False
+        self._rescan_now = False
         self.ready = threading.Event()  # set after the first full rescan
 
     def poke(self, path: str, delay: float | None = None) -> None:
@@ -59,6 +65,18 @@ class Watcher:
             self._pending[path] = due
             heapq.heappush(self._due, (due, path))
             self._cond.notify()
+
+    def poke_rescan(self) -> None:
+        """Run a full rescan on the ingest thread now (on-demand reconciliation)."""
+        with self._cond:
+            self._rescan_now = True
+            self._busy = True  # counts as work until the loop picks it up
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        """No event waiting and nothing being examined right now (for tests and graceful stops)."""
+        with self._cond:
+            return not self._due and not self._busy
 
     def start(self) -> None:
         root = self.ingestor.root
@@ -84,7 +102,7 @@ class Watcher:
                 if self._stop:
                     return
                 now = time.monotonic()
-                wait = next_rescan - now
+                wait = 0.0 if self._rescan_now else next_rescan - now
                 if self._due:
                     wait = min(wait, self._due[0][0] - now)
                 if wait > 0:
@@ -96,12 +114,18 @@ class Watcher:
                     if self._pending.get(path) == due:
                         del self._pending[path]
                         batch.append(path)
-                rescan = next_rescan <= now
-            if rescan:
-                self._safe(self._rescan)
-                next_rescan = time.monotonic() + self.rescan_interval
-            for path in batch:
-                self._safe(lambda p=path: self._examine(p))
+                rescan = next_rescan <= now or self._rescan_now
+                self._rescan_now = False
+                self._busy = True  # set under the lock: idle() never sees popped-but-unprocessed work
+            try:
+                if rescan:
+                    self._safe(self._rescan)
+                    next_rescan = time.monotonic() + self.rescan_interval
+                for path in batch:
+                    self._safe(lambda p=path: self._examine(p))
+            finally:
+                with self._cond:
+                    self._busy = self._rescan_now
 
     def _rescan(self) -> None:
         report = self.ingestor.rescan()

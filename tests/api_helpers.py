@@ -51,5 +51,5 @@ class Server:
 
     def settle(self) -> None:
         """Wait until the watcher has seen everything on disk and verification is idle."""
-        self.daemon.ingestor.rescan()
-        self.daemon.verifier.drain(timeout=30)
+        self.daemon.watcher.poke_rescan()
+        assert self.daemon.wait_idle(60), "daemon did not settle"

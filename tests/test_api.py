@@ -252,3 +252,12 @@ def test_cli_resume_ls_show_gc_verify_config(ms, root, catalog_url):
     assert json.loads(ckptd("config", "show").stdout)["root"] == str(root)
     r = ckptd("serve", "--host", "0.0.0.0", "--root", str(root))
     assert r.returncode != 0 and "refusing to listen on 0.0.0.0 without authentication" in r.stderr
+
+
+def test_resume_answer_matches_its_documented_schema(ms, root, server):
+    from ckptd.api.schemas import ResumeAnswer
+
+    _job(ms, root, steps=(100,))
+    server.settle()
+    doc = server.client("r-token").get("/v1/runs/run1/resume", params={"world_size": 4}).json()
+    assert ResumeAnswer.model_validate(doc).model_dump(mode="json") == doc  # the fast path skips validation

@@ -191,11 +191,12 @@ def _nonfinite(x: float | None) -> str | None:
     return None if x is None or math.isfinite(x) else str(x)
 
 
-def health_history(s: Session, run: Run) -> list[tuple[int, float | None, float | None, bool]]:
+def health_rows(s: Session, run_id: int) -> list[tuple[int, float | None, float | None, bool]]:
+    """Every reported step's (step, loss, grad_norm, overflow), NaN/inf restored."""
     rows = s.execute(
         select(StepHealth.step, StepHealth.loss, StepHealth.loss_nonfinite, StepHealth.grad_norm,
                StepHealth.grad_norm_nonfinite, StepHealth.overflow)
-        .where(StepHealth.run_id == run.id)
+        .where(StepHealth.run_id == run_id)
         .order_by(StepHealth.step)
     ).all()
     return [(step, float(lnf) if lnf else loss, float(gnf) if gnf else gn, ov) for step, loss, lnf, gn, gnf, ov in rows]

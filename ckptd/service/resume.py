@@ -14,10 +14,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
+from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
-from ckptd.service.catalog import get_run, health_history
+from ckptd.service.catalog import get_run
 from ckptd.states import ShardState
 
 RESUME_LEASE = timedelta(minutes=30)
@@ -38,21 +38,47 @@ class ResumeOptions:
     lease: bool = True
 
 
-def step_infos(s: Session, run_id: int, now: datetime) -> list[StepInfo]:
-    rows = s.execute(select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.kind == "trained")).scalars()
+def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
+    """The run's trained steps, newest first (plain column rows: this is the oracle's hot path)."""
+    q = (
+        select(Checkpoint.id, Checkpoint.step, Checkpoint.global_step, Checkpoint.state, Checkpoint.reason,
+               Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned, Checkpoint.lease_until)
+        .where(Checkpoint.run_id == run_id, Checkpoint.kind == "trained")
+        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc())
+    )
+    if limit is not None:
+        q = q.limit(limit)
     return [
         StepInfo(
-            id=c.id,
-            step=c.global_step if c.global_step is not None else c.step,
-            state=c.state,
-            reason=c.reason,
-            marked_bad=c.marked_bad,
-            bad_reason=c.bad_reason,
-            pinned=c.pinned,
-            in_use=c.lease_until is not None and _aware(c.lease_until) > now,
+            id=cid,
+            step=gstep if gstep is not None else step,
+            state=state,
+            reason=reason,
+            marked_bad=bool(bad),
+            bad_reason=bad_reason,
+            pinned=bool(pinned),
+            in_use=lease is not None and _aware(lease) > now,
         )
-        for c in rows
+        for cid, step, gstep, state, reason, bad, bad_reason, pinned, lease in s.execute(q).all()
     ]
+
+
+_FIRST_BATCH = 64  # the answer is almost always among the newest few steps
+
+
+def _health(s: Session, run_id: int, spikes: bool) -> list[Health]:
+    """What the policy needs: without spike detection only the first non-finite loss matters."""
+    if spikes:
+        from ckptd.service.catalog import health_rows
+
+        return [Health(step, loss, gn, bool(ov)) for step, loss, gn, ov in health_rows(s, run_id)]
+    first = s.execute(
+        select(StepHealth.step, StepHealth.loss_nonfinite)
+        .where(StepHealth.run_id == run_id, StepHealth.loss_nonfinite.is_not(None))
+        .order_by(StepHealth.step)
+        .limit(1)
+    ).first()
+    return [Health(first[0], float(first[1]))] if first else []
 
 
 def _aware(dt: datetime) -> datetime:
@@ -64,8 +90,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     run = get_run(s, run_name)
     now = datetime.now(timezone.utc)
     spike = SpikeRule(opts.spike_factor, opts.spike_window) if opts.skip_spikes else None
-    health = [Health(step, loss, gn, bool(ov)) for step, loss, gn, ov in health_history(s, run)]
-    decision = ResumePolicy(max_step=opts.max_step, spike=spike).decide(step_infos(s, run.id, now), health)
+    policy = ResumePolicy(max_step=opts.max_step, spike=spike)
+    health = _health(s, run.id, opts.skip_spikes)
+    steps = step_infos(s, run.id, now, limit=_FIRST_BATCH)
+    decision = policy.decide(steps, health)
+    if decision.chosen is None and len(steps) == _FIRST_BATCH:
+        decision = policy.decide(step_infos(s, run.id, now), health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
@@ -78,8 +108,9 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         select(Shard.rank, Shard.path).where(Shard.checkpoint_id == ckpt.id, Shard.state == ShardState.VERIFIED.value).order_by(Shard.rank)
     ).all()
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
-    if opts.lease:
-        ckpt.lease_until = now + RESUME_LEASE
+    lease = _aware(ckpt.lease_until) if ckpt.lease_until is not None else None
+    if opts.lease and (lease is None or lease < now + RESUME_LEASE / 2):
+        ckpt.lease_until = now + RESUME_LEASE  # renewed at most every 15 min: polling stays read-only
     answer: dict[str, Any] = {
         "run": run.name,
         "step": decision.chosen.step,

@@ -126,6 +126,10 @@ class Verifier:
             for fut in pending:
                 fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._queued
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
