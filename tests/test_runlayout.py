@@ -1,0 +1,50 @@
+"""Table tests: which paths under a checkpoint root are shards, strategies, or nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckptd.runlayout import ShardName, StrategyName, classify, resolves_inside
+
+ROOT = "/ckpt"
+
+
+@pytest.mark.parametrize(
+    "rel, want",
+    [
+        ("llama/rank_0/llama-1_100.ckpt", ShardName("llama", 0, "llama", 1, 100, False, "ckpt")),
+        ("llama/rank_12/llama_1-3_4200.ckpt", ShardName("llama", 12, "llama_1", 3, 4200, False, "ckpt")),
+        ("llama/rank_3/net-2_50_breakpoint.ckpt", ShardName("llama", 3, "net", 2, 50, True, "ckpt")),
+        ("llama/rank_0/llama-1_100.safetensors", ShardName("llama", 0, "llama", 1, 100, False, "safetensors")),
+        ("a-b/rank_0/my-model-1_7.ckpt", ShardName("a-b", 0, "my-model", 1, 7, False, "ckpt")),
+        ("llama/rank_0/llama-1_100.tmp", None),  # MindSpore's in-flight file
+        ("llama/rank_0/llama-1_100.ckpt.ckptd-tmp", None),
+        ("llama/rank_0/llama-1_100.ckpt.done", None),  # sidecar: handled separately
+        ("llama/rank_0/notes.txt", None),
+        ("llama/rank_x/llama-1_100.ckpt", None),
+        ("llama/llama-1_100.ckpt", None),
+        ("llama/rank_0/sub/llama-1_100.ckpt", None),
+        ("llama/rank_0/.hidden-1_100.ckpt", None),
+        (".trash/rank_0/llama-1_100.ckpt", None),
+        ("llama/strategy.ckpt", StrategyName("llama")),
+        ("llama/src_strategy.json", StrategyName("llama")),
+        ("llama/strategy/stage0.ckpt", StrategyName("llama")),
+        ("llama/other.ckpt", None),
+        ("../etc/rank_0/x-1_1.ckpt", None),
+    ],
+)
+def test_classify(rel, want):
+    assert classify(ROOT, os.path.normpath(os.path.join(ROOT, rel))) == want
+
+
+def test_symlinks_resolving_outside_the_root(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "run").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "f.ckpt").write_bytes(b"x")
+    os.symlink(outside, root / "run" / "rank_0")
+    assert not resolves_inside(str(root), str(root / "run" / "rank_0" / "f.ckpt"))
+    (root / "run" / "rank_1").mkdir()
+    assert resolves_inside(str(root), str(root / "run" / "rank_1" / "f.ckpt"))
