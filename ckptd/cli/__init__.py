@@ -7,7 +7,7 @@ import logging
 import sys
 
 from ckptd import __version__
-from ckptd.cli import catalog_cmds, files, service
+from ckptd.cli import catalog_cmds, convert_cmd, files, service
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     files.register(sub)
     service.register(sub)
     catalog_cmds.register(sub)
+    convert_cmd.register(sub)
     return parser
 
 

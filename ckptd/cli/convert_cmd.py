@@ -1,0 +1,178 @@
+"""``ckptd convert``: re-shard a MindSpore checkpoint to another parallel layout.
+
+Usage (these flags are a public contract; keep them)::
+
+    ckptd convert --src DIR --src-strategy OLD (--to-strategy NEW|none | --to-layout tp=T,dp=D[,pp=P])
+                  --out DIR [--step N] [--rank R ...] [--plan] [--workers N] [--key-file F]
+                  [--out-key-file F] [--format ckpt|safetensors] [--prefix checkpoint_] [--json]
+
+--src DIR           source checkpoints, one per rank: ``DIR/rank_<r>/<file>.ckpt`` (or .safetensors),
+                    as ``mindspore.transform_checkpoints`` expects. Missing ranks are fine while a
+                    replica of every needed slice exists.
+--src-strategy OLD  the source job's strategy file (MindSpore protobuf or JSON; pipeline jobs: the
+                    merged file); ``none`` = one unsharded checkpoint in ``rank_0``.
+--to-strategy NEW   the destination strategy file, or ``none`` for one unsharded checkpoint.
+--to-layout SPEC    instead of --to-strategy: derive it from the source (``tp=..,dp=..[,pp=..]``; rule in
+                    ckptd/convert/layouts.py); the derived file is saved as
+                    ``OUT/strategy_tp<T>_dp<D>_pp<P>.ckpt``.
+--out DIR           output: ``DIR/rank_<r>/<prefix><r>.ckpt`` per destination rank (``rank_0`` only for
+                    ``none``). Existing ``rank_<r>`` directories are never overwritten.
+--step N            when a rank directory holds several checkpoints, pick step N (or EPOCH_N) by
+                    MindSpore's ``<prefix>-<epoch>_<step>.ckpt`` names; never guessed by name order.
+--rank R            convert only destination rank R (repeatable): several machines can share a job.
+--plan              print, per destination rank, the source shards read, bytes to move and the
+                    estimated peak memory; write nothing. Impossible conversions exit 1 either way.
+--workers N         destination ranks converted in parallel (default min(4, CPUs)); peak memory is
+                    about N x the per-worker peak that --plan prints.
+--key-file F        raw key bytes to decrypt encrypted sources (mode auto-detected).
+--out-key-file F    encrypt the output (AES-GCM) with these raw key bytes.
+--format FMT        output format, ``ckpt`` (default; with MindSpore's CRC trailer unless encrypted)
+                    or ``safetensors`` (with ``crc_num`` metadata).
+--prefix P          output file prefix (default ``checkpoint_``, like MindSpore's examples).
+--json              machine-readable output.
+
+Entries that are in no strategy (global_step, epoch_num, step_num, ...) are copied from source rank
+``r % src_devices`` like MindSpore, except ``rank_id``, which is set to the destination rank.
+Exit status: 0 done (every file re-read and verified), 1 refused or failed (nothing left that
+looks complete), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ckptd.errors import CkptdError
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "convert",
+        help="re-shard checkpoints to another parallel layout (streaming, verified, atomic)",
+        description="Re-shard per-rank MindSpore checkpoints from one strategy to another.",
+    )
+    p.add_argument("--src", required=True, metavar="DIR", help="directory of rank_<r>/ source checkpoints")
+    p.add_argument("--src-strategy", required=True, metavar="OLD", help="source strategy file, or 'none' (unsharded)")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-strategy", metavar="NEW", help="destination strategy file, or 'none' (unsharded)")
+    to.add_argument("--to-layout", metavar="SPEC", help="derive the destination: tp=..,dp=..[,pp=..]")
+    p.add_argument("--out", metavar="DIR", help="output directory (required unless --plan)")
+    p.add_argument("--step", metavar="N", help="pick this step (N or EPOCH_N) when rank dirs hold several")
+    p.add_argument("--rank", type=int, action="append", metavar="R", help="convert only this destination rank (repeatable)")
+    p.add_argument("--plan", action="store_true", help="print the plan without moving data")
+    p.add_argument("--workers", type=int, metavar="N", help="destination ranks converted in parallel")
+    p.add_argument("--key-file", metavar="F", help="raw key bytes of encrypted sources")
+    p.add_argument("--out-key-file", metavar="F", help="encrypt the output (AES-GCM) with this raw key")
+    p.add_argument("--format", choices=("ckpt", "safetensors"), default="ckpt", help="output format")
+    p.add_argument("--prefix", default="checkpoint_", help="output file prefix (default checkpoint_)")
+    p.add_argument("--json", action="store_true", help="JSON output")
+    p.set_defaults(handler=run_convert)
+    return p
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _usage(message: str) -> CkptdError:
+    err = CkptdError(message)
+    err.code = "usage"
+    return err
+
+
+def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
+    from ckptd.convert.layouts import derive_strategy, parse_layout_spec
+    from ckptd.format.strategy import load_strategy
+
+    src = None if args.src_strategy.lower() == "none" else load_strategy(args.src_strategy)
+    if args.to_layout is not None:
+        spec = parse_layout_spec(args.to_layout)
+        if src is None:
+            raise _usage("--to-layout derives from the source strategy; it needs --src-strategy FILE")
+        dst = derive_strategy(src, spec["tp"], spec["dp"], spec.get("pp"))
+        name = f"strategy_tp{spec['tp']}_dp{spec['dp']}_pp{dst.stages}.ckpt"
+        return src, dst, name
+    dst = None if args.to_strategy.lower() == "none" else load_strategy(args.to_strategy)
+    return src, dst, None
+
+
+def _print_plan(plan: Any, workers: int) -> None:
+    print(f"source: {plan.src_world} rank(s), {plan.src_stage_devices} per stage; destination: {plan.dst_world} rank(s)")
+    for note in plan.notes:
+        print(f"note: {note}")
+    for r in plan.ranks:
+        reads = ", ".join(f"rank_{s}" for s in r.src_ranks) or "-"
+        print(f"rank {r.rank} (stage {r.stage}): {len(r.tasks)} tensors, {_human(r.bytes_out)} out, reads "
+              f"{_human(r.bytes_read)} from {reads}; peak ~{_human(r.peak_bytes)}")
+    print(f"total: {_human(plan.bytes_out)} to write, {_human(plan.bytes_read)} to read; estimated peak memory "
+          f"~{_human(plan.peak_bytes * workers)} with {workers} worker(s)")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from ckptd.convert.execute import convert, plan_from_dir
+    from ckptd.format.crypto_blocks import load_key_file
+    from ckptd.format.strategy import save_strategy
+
+    if not args.plan and not args.out:
+        raise _usage("--out DIR is required (or use --plan)")
+    if args.workers is not None and args.workers < 1:
+        raise _usage("--workers must be at least 1")
+    key = load_key_file(args.key_file) if args.key_file else None
+    out_key = load_key_file(args.out_key_file) if args.out_key_file else None
+    src, dst, derived_name = _strategies(args)
+    plan = plan_from_dir(args.src, src, dst, step=args.step, ranks=args.rank, key=key)
+    workers = max(1, min(args.workers or min(4, os.cpu_count() or 1), len(plan.ranks) or 1))
+    if args.plan:
+        if args.json:
+            print(json.dumps({**plan.to_dict(), "workers": workers, "peak_bytes": plan.peak_bytes * workers}, indent=2))
+        else:
+            _print_plan(plan, workers)
+        return EXIT_OK
+    report = convert(args.src, src, dst, args.out, workers=workers, key=key, out_key=out_key,
+                     out_format=args.format, prefix=args.prefix, plan=plan)
+    strategy_path = None
+    if derived_name is not None and dst is not None:
+        strategy_path = os.path.join(report.out_dir, derived_name)
+        if not os.path.exists(strategy_path):
+            save_strategy(dst, strategy_path)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "derived_strategy": strategy_path}, indent=2))
+    else:
+        for r in report.ranks:
+            print(f"rank {r.rank}: {r.path} ({_human(r.bytes)}, {r.tensors} tensors, {r.pieces_verified} regions verified)")
+        print(f"converted {len(report.ranks)} rank(s), {_human(report.bytes_written)} in {report.seconds:.2f} s; all verified")
+        if strategy_path:
+            print(f"destination strategy: {strategy_path}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m ckptd.cli.convert_cmd convert ...``), same exit codes as ``ckptd``."""
+    parser = argparse.ArgumentParser(prog="ckptd")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.handler(args))
+    except CkptdError as err:
+        print(f"ckptd: error: {err}", file=sys.stderr)
+        return EXIT_USAGE if err.code == "usage" else EXIT_INVALID
+    except KeyboardInterrupt:
+        print("ckptd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,527 @@
+"""The pure half of re-sharding: which bytes of which source shard land where in which output.
+
+``plan_conversion`` takes only *metadata* -- the entries (name, dtype, local shape) each source
+rank's file holds and the two strategies -- and returns a frozen :class:`ConversionPlan`: for every
+destination rank, every tensor it will hold and the list of :class:`Piece` copies (source rank,
+region of that source shard, region of the destination slice) that tile it exactly. No file is
+opened here, so ``--plan`` costs nothing, the executor can trust every region, and every
+impossible conversion is refused *before* a byte is written.
+
+Rules (the same as ``mindspore.transform_checkpoints`` unless said otherwise):
+
+* Slices are those MindSpore's *training* stores (:func:`ckptd.format.layout.slice_for_rank`).
+  Where MindSpore's transform renumbers ranks differently (optimizer-sharded layouts whose only
+  repeated device axis is axis 0 and whose tensor map is not in device-axis order) ckptd follows
+  training, i.e. what a resumed job will load.
+* Full shapes are inferred from the source shards (local shape x split counts), checked against
+  every source shard holding the parameter and against JSON ``tensor_shape`` when present.
+* A parameter shared by several source pipeline stages is read from its lowest stage.
+* Source shards are sliced into a grid (equal blocks per dim); a destination slice reads exactly
+  the blocks it overlaps, from one replica each (preferring ranks it already reads, then the rank
+  with its own local rank, then the lowest). Missing source ranks are fine while a replica exists.
+* Entries in no strategy (``global_step``, ``epoch_num``, learning rate, ...) are copied whole from
+  source rank ``stage0 * src_stage_devices + (dst_local_rank % src_stage_devices)`` (``stage0`` =
+  lowest source stage the destination rank reads), like MindSpore -- EXCEPT an entry named
+  ``rank_id``, which is set to the destination rank (ckptd's daemon checks it against the file).
+* Refused (:class:`ConvertError`): a parameter in one strategy but not the other (MindSpore would
+  silently copy a wrong local shard), in both strategies but in no source file, shards that
+  disagree on shape/dtype, non-divisible splits, ranks outside the strategies, single-stage
+  strategy files of a stage > 0 (merge them first), MapTensor and Int4 parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Sequence
+
+from ckptd.errors import CkptdError, LayoutError
+from ckptd.format.dtypes import STR_TYPE, MS_DTYPES, itemsize
+from ckptd.format.layout import Slice, TensorLayout, full_shape_from_local, local_shape, slice_for_rank
+from ckptd.format.strategy import Strategy
+
+RANK_ID_ENTRY = "rank_id"
+MAP_TENSOR_TYPE = "MapTensor"
+_MAX_LISTED = 12  # problems listed in one ConvertError
+#: the executor reads sources in row chunks of about this many bytes (mapped pages are released
+#: after each), so reading adds roughly this much to the peak on top of the destination slice.
+CHUNK_BYTES = 64 << 20
+
+
+class ConvertError(CkptdError):
+    """A conversion that cannot be done exactly; raised before any output is written."""
+
+    code = "convert_impossible"
+    default_hint = "check that --src-strategy describes the source files and --to-strategy the target job"
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One entry of a source file, as indexed (no data)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SourceShard:
+    """What one source rank's checkpoint file holds, in file order."""
+
+    rank: int
+    path: str
+    entries: tuple[ShardEntry, ...]
+
+    def get(self, name: str) -> ShardEntry | None:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        return None
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Copy ``src_region`` of source rank ``src_rank``'s shard into ``dst_region`` of the slice.
+
+    Both regions are in *local* coordinates (of the source shard and of the destination slice).
+    """
+
+    src_rank: int
+    src_region: Slice
+    dst_region: Slice
+    src_shape: tuple[int, ...]  # shape of the source shard (for byte-span estimates)
+
+
+TaskKind = Literal["reshard", "copy", "rank_id"]
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One entry of a destination file. ``dst_slice`` is in full-tensor coordinates."""
+
+    name: str
+    dtype: str
+    kind: TaskKind
+    full_shape: tuple[int, ...]
+    dst_slice: Slice
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
+            return 0
+        return self.dst_slice.numel * itemsize(self.dtype)
+
+    @property
+    def bytes_read(self) -> int:
+        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
+            return 0
+        return sum(p.src_region.numel for p in self.pieces) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything destination rank ``rank`` will hold and where it comes from."""
+
+    rank: int
+    stage: int
+    local_rank: int
+    tasks: tuple[TensorTask, ...]
+    src_ranks: tuple[int, ...]
+    bytes_out: int
+    bytes_read: int
+    peak_bytes: int  # estimated extra memory to convert this rank (largest slice + its reads)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    src_world: int
+    src_stage_devices: int
+    dst_world: int  # ranks of the whole destination layout (1 when unsharded)
+    dst_stage_devices: int
+    ranks: tuple[RankPlan, ...]  # the ranks to convert (all, or the ones asked for)
+    src_files: Mapping[int, str]
+    notes: tuple[str, ...] = ()
+    src_strategy_hash: str | None = None
+    dst_strategy_hash: str | None = None
+    layout_params: tuple[str, ...] = field(default=())
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(r.bytes_out for r in self.ranks)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.ranks)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((r.peak_bytes for r in self.ranks), default=0)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "src_world": self.src_world,
+            "dst_world": self.dst_world,
+            "src_strategy_hash": self.src_strategy_hash,
+            "dst_strategy_hash": self.dst_strategy_hash,
+            "bytes_out": self.bytes_out,
+            "bytes_read": self.bytes_read,
+            "peak_bytes_per_worker": self.peak_bytes,
+            "notes": list(self.notes),
+            "ranks": [
+                {
+                    "rank": r.rank,
+                    "stage": r.stage,
+                    "src_ranks": list(r.src_ranks),
+                    "src_files": [self.src_files[s] for s in r.src_ranks],
+                    "tensors": len(r.tasks),
+                    "bytes_out": r.bytes_out,
+                    "bytes_read": r.bytes_read,
+                    "peak_bytes": r.peak_bytes,
+                }
+                for r in self.ranks
+            ],
+        }
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _trivial(ndim: int) -> TensorLayout:
+    return TensorLayout(dev_matrix=(1,), tensor_map=(-1,) * ndim)
+
+
+def _fail(problems: Sequence[str], hint: str | None = None) -> ConvertError:
+    problems = list(dict.fromkeys(problems))  # one message per problem, not per rank
+    shown = problems[:_MAX_LISTED]
+    more = len(problems) - len(shown)
+    text = "; ".join(shown) + (f"; ... and {more} more" if more > 0 else "")
+    return ConvertError(f"impossible conversion: {text}", hint=hint)
+
+
+def _check_stage_file(strategy: Strategy | None, which: str) -> None:
+    if strategy is None or strategy.merged:
+        return
+    stages = {e.stage for e in strategy.entries}
+    if stages - {0}:
+        raise ConvertError(
+            f"the {which} strategy is the file of pipeline stage {max(stages)} alone",
+            path=strategy.source_path,
+            hint="merge the strategy files of all stages first (mindspore.merge_pipeline_strategys)",
+        )
+
+
+def _span_bytes(region: Slice, shape: tuple[int, ...], isize: int) -> int:
+    """Bytes between the first and last element of ``region`` in a C-order array of ``shape``."""
+    if region.numel == 0:
+        return 0
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    first = sum(o * s for o, s in zip(region.offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides))
+    return (last - first + 1) * isize
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a layout parameter is read from: one stage's layout and the holders of each block."""
+
+    name: str
+    dtype: str
+    full_shape: tuple[int, ...]
+    block: tuple[int, ...]  # source shard shape
+    stage: int
+    blocks: Mapping[tuple[int, ...], tuple[int, ...]]  # block index -> global ranks holding it (present)
+    missing: Mapping[tuple[int, ...], tuple[int, ...]]  # block index -> ranks of the strategy (for errors)
+
+
+def _grid(layout: TensorLayout, full: tuple[int, ...], block: tuple[int, ...], stage: int, dev: int,
+          have: set[int], cache: dict) -> tuple[dict, dict]:
+    key = (layout, full)
+    if key not in cache:
+        owners: dict[tuple[int, ...], list[int]] = {}
+        for lr in range(layout.device_num):
+            s = slice_for_rank(layout, full, lr)
+            idx = tuple(o // b if b else 0 for o, b in zip(s.offsets, block))
+            owners.setdefault(idx, []).append(lr)
+        cache[key] = owners
+    present: dict[tuple[int, ...], tuple[int, ...]] = {}
+    every: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for idx, locals_ in cache[key].items():
+        ranks = tuple(stage * dev + lr for lr in locals_)
+        every[idx] = ranks
+        present[idx] = tuple(r for r in ranks if r in have)
+    return present, every
+
+
+# --- the planner -----------------------------------------------------------------------------
+
+
+def plan_conversion(
+    sources: Iterable[SourceShard],
+    src: Strategy | None,
+    dst: Strategy | None,
+    *,
+    ranks: Sequence[int] | None = None,
+) -> ConversionPlan:
+    """Plan converting ``sources`` (laid out by ``src``; None = one unsharded file in rank 0) to
+    ``dst`` (None = one unsharded file). ``ranks`` restricts the destination ranks planned.
+
+    Raises :class:`ConvertError` listing every problem found.
+    """
+    shards = {s.rank: s for s in sources}
+    _check_stage_file(src, "source")
+    _check_stage_file(dst, "destination")
+    src_dev = src.stage_device_num if src is not None else 1
+    src_world = src.world_size if src is not None else 1
+    dst_dev = dst.stage_device_num if dst is not None else 1
+    dst_world = dst.world_size if dst is not None else 1
+    problems: list[str] = []
+    notes: list[str] = []
+
+    if not shards:
+        raise ConvertError("no source checkpoints found", hint="the source directory needs rank_<N>/ sub-directories")
+    extra = sorted(r for r in shards if not 0 <= r < src_world)
+    if extra:
+        what = "is unsharded (--src-strategy none): only rank_0 is read" if src is None else f"covers ranks 0..{src_world - 1}"
+        raise ConvertError(
+            f"source rank(s) {extra} found but the source strategy {what}",
+            hint="the source directory and the source strategy describe different jobs (world-size mismatch)",
+        )
+    absent = sorted(set(range(src_world)) - set(shards))
+    if absent:
+        notes.append(f"source rank(s) {absent} have no checkpoint; replicas are read instead where they exist")
+
+    # file order over all shards: output files keep the order the sources had
+    order: dict[str, int] = {}
+    for r in sorted(shards):
+        for e in shards[r].entries:
+            order.setdefault(e.name, len(order))
+    holders: dict[str, list[int]] = {}
+    for r in sorted(shards):
+        for e in shards[r].entries:
+            holders.setdefault(e.name, []).append(r)
+
+    src_names = set(src.params) if src is not None else set()
+    dst_names = {e.name for e in dst.entries} if dst is not None else set()
+    in_files = set(holders)
+    if src is not None:
+        layout_names = src_names & in_files
+        if dst is not None:
+            for n in sorted(dst_names - src_names):
+                problems.append(f"parameter {n!r} is in the destination strategy but not in the source strategy")
+            for n in sorted(layout_names - dst_names):
+                problems.append(f"parameter {n!r} is in the source strategy and files but not in the destination strategy")
+            for n in sorted((dst_names & src_names) - in_files):
+                problems.append(f"parameter {n!r} is in both strategies but in no source checkpoint")
+    else:
+        layout_names = dst_names & in_files
+        for n in sorted(dst_names - in_files):
+            problems.append(f"parameter {n!r} is in the destination strategy but not in the unsharded source")
+    if problems:
+        raise _fail(problems)
+
+    # --- where each layout parameter comes from ---
+    cache: dict = {}
+    have_by_name = {n: set(holders[n]) for n in layout_names}
+    psrc: dict[str, _Source] = {}
+    for name in sorted(layout_names, key=order.__getitem__):
+        try:
+            psrc[name] = _locate(name, src, shards, have_by_name[name], src_dev, cache)
+        except ConvertError as err:
+            problems.append(err.message)
+    if problems:
+        raise _fail(problems)
+    nonlayout = [n for n in sorted(in_files - layout_names, key=order.__getitem__)]
+    for n in nonlayout:
+        e = shards[holders[n][0]].get(n)
+        if e is not None and e.dtype == MAP_TENSOR_TYPE:
+            problems.append(f"entry {n!r} is a MapParameter, which ckptd cannot re-shard or copy")
+        elif e is not None and e.dtype not in MS_DTYPES and e.dtype != STR_TYPE:
+            problems.append(f"entry {n!r} has unknown dtype {e.dtype!r}")
+    if problems:
+        raise _fail(problems)
+
+    # --- destination ranks ---
+    if dst is None:
+        all_ranks = [0]
+    else:
+        stages = sorted({e.stage for e in dst.entries}) or [0]
+        all_ranks = [s * dst_dev + lr for s in stages for lr in range(dst_dev)]
+    if ranks is not None:
+        bad = sorted({r for r in ranks if r not in all_ranks})
+        if bad:
+            raise ConvertError(
+                f"destination rank(s) {bad} outside the destination layout's ranks 0..{max(all_ranks)}",
+                hint="--rank must be a rank of the destination strategy",
+            )
+        todo = sorted(set(ranks))
+    else:
+        todo = all_ranks
+
+    plans = []
+    for r in todo:
+        try:
+            plans.append(_plan_rank(r, dst, dst_dev, src_dev, psrc, nonlayout, shards, holders, order))
+        except ConvertError as err:
+            problems.append(err.message)
+            if len(problems) >= _MAX_LISTED:
+                break
+    if problems:
+        raise _fail(problems)
+    return ConversionPlan(
+        src_world=src_world,
+        src_stage_devices=src_dev,
+        dst_world=dst_world,
+        dst_stage_devices=dst_dev,
+        ranks=tuple(plans),
+        src_files={r: s.path for r, s in shards.items()},
+        notes=tuple(notes),
+        src_strategy_hash=src.content_hash() if src is not None else None,
+        dst_strategy_hash=dst.content_hash() if dst is not None else None,
+        layout_params=tuple(psrc),
+    )
+
+
+def _locate(name: str, src: Strategy | None, shards: Mapping[int, SourceShard], have: set[int], src_dev: int,
+            cache: dict) -> _Source:
+    """Pick the source stage of ``name``, infer and check its full shape, map its block grid."""
+    first = shards[min(have)].get(name)
+    assert first is not None
+    for r in sorted(have):
+        e = shards[r].get(name)
+        assert e is not None
+        if (e.dtype, e.shape) != (first.dtype, first.shape):
+            raise ConvertError(
+                f"parameter {name!r}: rank {min(have)} holds {first.dtype}{list(first.shape)} but rank {r} "
+                f"holds {e.dtype}{list(e.shape)}"
+            )
+    if first.dtype == MAP_TENSOR_TYPE or first.dtype == STR_TYPE or first.dtype == "Int4":
+        raise ConvertError(f"parameter {name!r} has dtype {first.dtype}, which cannot be re-sharded")
+    if first.dtype not in MS_DTYPES:
+        raise ConvertError(f"parameter {name!r} has unknown dtype {first.dtype!r}")
+    if src is None:
+        layout, stage, tensor_shape = _trivial(len(first.shape)), 0, None
+    else:
+        cands = sorted((e for e in src.entries if e.name == name), key=lambda e: e.stage)
+        chosen = next((e for e in cands if any(r // src_dev == e.stage for r in have)), None)
+        if chosen is None:
+            raise ConvertError(
+                f"parameter {name!r} is found only in ranks {sorted(have)}, outside its stage(s) "
+                f"{[e.stage for e in cands]} of the source strategy"
+            )
+        layout, stage, tensor_shape = chosen.layout, chosen.stage, chosen.tensor_shape
+    try:
+        full = full_shape_from_local(layout, first.shape)
+    except LayoutError as err:
+        raise ConvertError(f"parameter {name!r}: its source shard {list(first.shape)} does not fit the source "
+                           f"strategy: {err.message}") from None
+    if tensor_shape is not None and tuple(tensor_shape) != full:
+        raise ConvertError(f"parameter {name!r}: source files imply full shape {list(full)} but the source "
+                           f"strategy says {list(tensor_shape)}")
+    in_stage = {r for r in have if r // src_dev == stage}
+    present, every = _grid(layout, full, first.shape, stage, src_dev, in_stage, cache)
+    return _Source(name, first.dtype, full, first.shape, stage, present, every)
+
+
+def _choose(cands: tuple[int, ...], used: dict[int, None], preferred: int) -> int:
+    for r in cands:
+        if r in used:
+            return r
+    return preferred if preferred in cands else cands[0]
+
+
+def _pieces(ps: _Source, dslice: Slice, used: dict[int, None], local: int, src_dev: int) -> tuple[Piece, ...]:
+    if dslice.numel == 0:
+        return ()
+    ranges = []
+    for off, size, b in zip(dslice.offsets, dslice.sizes, ps.block):
+        ranges.append(range(off // b, (off + size - 1) // b + 1))
+    out = []
+    for idx in itertools.product(*ranges):
+        block = Slice(tuple(i * b for i, b in zip(idx, ps.block)), ps.block)
+        ov = block.overlap(dslice) if block.offsets else block
+        if ov is None:  # cannot happen for a grid, but never copy garbage
+            continue
+        cands = ps.blocks.get(idx, ())
+        if not cands:
+            raise ConvertError(
+                f"parameter {ps.name!r}: no source checkpoint holds block {list(block.offsets)}+{list(block.sizes)} "
+                f"(it lives on missing source rank(s) {list(ps.missing.get(idx, ()))})"
+            )
+        src_rank = _choose(cands, used, ps.stage * src_dev + local % src_dev)
+        used.setdefault(src_rank, None)
+        out.append(Piece(src_rank, ov.relative_to(block), ov.relative_to(dslice), ps.block))
+    if sum(p.dst_region.numel for p in out) != dslice.numel:
+        raise ConvertError(f"parameter {ps.name!r}: source blocks do not tile destination slice {dslice}")
+    return tuple(out)
+
+
+def _plan_rank(rank: int, dst: Strategy | None, dst_dev: int, src_dev: int, psrc: Mapping[str, _Source],
+               nonlayout: Sequence[str], shards: Mapping[int, SourceShard], holders: Mapping[str, list[int]],
+               order: Mapping[str, int]) -> RankPlan:
+    stage, local = divmod(rank, dst_dev)
+    used: dict[int, None] = {}
+    tasks: list[TensorTask] = []
+    if dst is None:
+        wanted = [(n, _trivial(len(ps.full_shape))) for n, ps in psrc.items()]
+    else:
+        wanted = [(e.name, e.layout) for e in dst.entries if e.stage == stage]
+        for e in dst.entries:
+            if e.stage == stage and e.tensor_shape is not None and tuple(e.tensor_shape) != psrc[e.name].full_shape:
+                raise ConvertError(f"parameter {e.name!r}: destination strategy says full shape "
+                                   f"{list(e.tensor_shape)}, the source files hold {list(psrc[e.name].full_shape)}")
+    for name, layout in wanted:
+        ps = psrc[name]
+        try:
+            local_shape(layout, ps.full_shape)
+            dslice = slice_for_rank(layout, ps.full_shape, local)
+        except LayoutError as err:
+            raise ConvertError(f"parameter {name!r} (full shape {list(ps.full_shape)}) does not fit the "
+                               f"destination strategy: {err.message}") from None
+        tasks.append(TensorTask(name, ps.dtype, "reshard", ps.full_shape, dslice, _pieces(ps, dslice, used, local, src_dev)))
+    stage0 = min((r // src_dev for r in used), default=0)
+    designated = stage0 * src_dev + local % src_dev
+    for name in nonlayout:
+        cands = [designated] + sorted(used)
+        src_rank = next((r for r in cands if r in shards and shards[r].get(name) is not None), None)
+        if src_rank is None:
+            if used:
+                continue  # an entry only of files this rank does not read (MindSpore drops it too)
+            src_rank = holders[name][0]
+        e = shards[src_rank].get(name)
+        assert e is not None
+        whole = Slice((0,) * len(e.shape), e.shape)
+        kind: TaskKind = "rank_id" if name == RANK_ID_ENTRY else "copy"
+        pieces = () if kind == "rank_id" else (Piece(src_rank, whole, whole, e.shape),)
+        if kind == "copy":
+            used.setdefault(src_rank, None)
+        tasks.append(TensorTask(name, e.dtype, kind, e.shape, whole, pieces))
+    tasks.sort(key=lambda t: order[t.name])
+    peak = 0
+    for t in tasks:
+        if t.dtype == STR_TYPE or t.dtype not in MS_DTYPES:
+            continue
+        isz = itemsize(t.dtype)
+        span = max((_span_bytes(p.src_region, p.src_shape, isz) for p in t.pieces), default=0)
+        peak = max(peak, t.nbytes + 2 * min(span, CHUNK_BYTES))
+    return RankPlan(
+        rank=rank,
+        stage=stage,
+        local_rank=local,
+        tasks=tuple(tasks),
+        src_ranks=tuple(sorted(used)),
+        bytes_out=sum(t.nbytes for t in tasks),
+        bytes_read=sum(t.bytes_read for t in tasks),
+        peak_bytes=peak,
+    )
+
