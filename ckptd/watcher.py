@@ -11,6 +11,7 @@ import heapq
 import logging
 import threading
 import time
+import warnings
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -79,6 +80,9 @@ class Watcher:
             return not self._due and not self._busy
 
     def start(self) -> None:
+        # watchdog warns each time a directory is created inside the watched tree; it is harmless
+        # and would otherwise flood the daemon's log during every save
+        warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
         root = self.ingestor.root
         self._observer = Observer()
         self._observer.schedule(_Handler(self), root, recursive=True)

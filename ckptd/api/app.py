@@ -10,7 +10,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 
 from ckptd import __version__
-from ckptd.api import errors, routes_resume, routes_runs, routes_system
+from ckptd.api import errors, routes_conversions, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
 from ckptd.service.jobs import JobRunner
 from ckptd.settings import Settings
@@ -42,5 +42,6 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(routes_runs.router)
     app.include_router(routes_resume.router)
+    app.include_router(routes_conversions.router)
     app.include_router(routes_system.router)
     return app

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
@@ -27,9 +26,10 @@ def get_resume(
     skip_spikes: bool = Query(default=False, description="also skip steps from the first loss spike on"),
     spike_factor: float = Query(default=3.0, gt=1.0),
     spike_window: int = Query(default=20, ge=2),
+    lease: bool = Query(default=True, description="protect the answer from retention for 30 minutes"),
 ) -> JSONResponse:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
-    doc = resume(s, run, ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window))
+    doc = resume(s, run, ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease))
     # The hot path of a restart storm: the service already builds exactly ResumeAnswer's keys
     # (tests pin them), so skip re-validating hundreds of shard entries per request.
     return JSONResponse(doc)

@@ -98,3 +98,11 @@ class JobOut(_Out):
     total: int
     done: int
     progress: float
+
+
+class ConversionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=0, description="a verified step of the run")
+    to_layout: str | None = Field(default=None, pattern=r"^[a-z]+=\d+(,[a-z]+=\d+)*$",
+                                  description="derive the target from the source strategy: tp=..,dp=..[,pp=..]")
+    to_strategy: str | None = Field(default=None, description="a strategy file inside the checkpoint root, or 'none'")

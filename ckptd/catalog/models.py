@@ -63,7 +63,7 @@ class Checkpoint(Base):
 
     __tablename__ = "checkpoints"
     __table_args__ = (
-        UniqueConstraint("run_id", "prefix", "epoch", "step", "kind"),
+        UniqueConstraint("run_id", "prefix", "epoch", "step", "kind", "layout"),
         Index("ix_checkpoints_run_state_order", "run_id", "state", "epoch", "step"),  # the resume query
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -72,6 +72,7 @@ class Checkpoint(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)  # step from the file name
     kind: Mapped[str] = mapped_column(String(16), default="trained")  # trained | breakpoint | converted
+    layout: Mapped[str] = mapped_column(String(80), default="")  # converted copies: the target strategy hash
     global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
     state: Mapped[str] = mapped_column(String(16), index=True)
     expected_ranks: Mapped[int | None] = mapped_column(Integer)

@@ -51,6 +51,7 @@ def get_or_create_checkpoint(
             "epoch": epoch,
             "step": step,
             "kind": kind,
+            "layout": "",
             "state": StepState.INCOMPLETE.value,
             "expected_ranks": expected_ranks,
             "pinned": False,
@@ -58,7 +59,7 @@ def get_or_create_checkpoint(
             "created_at": now,
             "updated_at": now,
         },
-        ["run_id", "prefix", "epoch", "step", "kind"],
+        ["run_id", "prefix", "epoch", "step", "kind", "layout"],
     )
     return session.execute(
         select(Checkpoint).where(
@@ -67,6 +68,7 @@ def get_or_create_checkpoint(
             Checkpoint.epoch == epoch,
             Checkpoint.step == step,
             Checkpoint.kind == kind,
+            Checkpoint.layout == "",
         )
     ).scalar_one()
 

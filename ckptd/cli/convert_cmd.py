@@ -56,8 +56,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="re-shard checkpoints to another parallel layout (streaming, verified, atomic)",
         description="Re-shard per-rank MindSpore checkpoints from one strategy to another.",
     )
-    p.add_argument("--src", required=True, metavar="DIR", help="directory of rank_<r>/ source checkpoints")
-    p.add_argument("--src-strategy", required=True, metavar="OLD", help="source strategy file, or 'none' (unsharded)")
+    p.add_argument("--src", metavar="DIR", help="directory of rank_<r>/ source checkpoints")
+    p.add_argument("--src-strategy", metavar="OLD", help="source strategy file, or 'none' (unsharded)")
+    p.add_argument("--run", metavar="R", help="instead of --src: a catalogued run (with --step; registers the result)")
+    p.add_argument("--db", metavar="URL", help="with --run: catalog URL")
+    p.add_argument("--root", metavar="DIR", help="with --run: checkpoint root")
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-strategy", metavar="NEW", help="destination strategy file, or 'none' (unsharded)")
     to.add_argument("--to-layout", metavar="SPEC", help="derive the destination: tp=..,dp=..[,pp=..]")
@@ -123,6 +126,11 @@ def run_convert(args: argparse.Namespace) -> int:
     from ckptd.format.crypto_blocks import load_key_file
     from ckptd.format.strategy import save_strategy
 
+    if args.run:
+        return _run_from_catalog(args)
+    if not args.src or not args.src_strategy:
+        raise _usage("give --src DIR --src-strategy OLD, or --run R --step S")
+
     if not args.plan and not args.out:
         raise _usage("--out DIR is required (or use --plan)")
     if args.workers is not None and args.workers < 1:
@@ -153,6 +161,30 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"converted {len(report.ranks)} rank(s), {_human(report.bytes_written)} in {report.seconds:.2f} s; all verified")
         if strategy_path:
             print(f"destination strategy: {strategy_path}")
+    return EXIT_OK
+
+
+def _run_from_catalog(args: argparse.Namespace) -> int:
+    """``--run R --step S``: convert a verified catalogued step and register it with lineage."""
+    from ckptd.cli.catalog_cmds import _sessions
+    from ckptd.format.crypto_blocks import load_key_file
+    from ckptd.service.conversions import convert_step
+
+    if args.src or args.src_strategy or args.plan or args.rank:
+        raise _usage("--run works with --step, --to-strategy/--to-layout, [--out], key files and --workers only")
+    if args.step is None or not str(args.step).isdigit():
+        raise _usage("--run needs --step N (the step as `ckptd ls RUN` shows it)")
+    settings, sessions = _sessions(args)
+    doc = convert_step(
+        sessions, str(settings.root), args.run, int(args.step), to_strategy=args.to_strategy, to_layout=args.to_layout,
+        out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
+        out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,
+    )
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print(f"converted run {args.run} step {args.step} -> {doc['out_dir']} (catalogued as a converted copy, "
+              f"target {doc['target_strategy_hash'][:19]}); every slice verified")
     return EXIT_OK
 
 

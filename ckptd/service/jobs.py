@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog.models import Checkpoint, Job, Run, Shard
+from ckptd.errors import CkptdError
 from ckptd.service.catalog import NotFoundError, _iso, get_run, get_step
 from ckptd.states import ShardState
 
@@ -95,14 +96,24 @@ class JobRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-jobs")
 
     def start_verify(self, run_name: str, step: int | None) -> dict[str, Any]:
+        with self.sessions() as s:
+            _, shards = select_shards(s, run_name, step)
+
+        def work(progress: Callable[[int, int], None]) -> dict[str, Any]:
+            return reverify(self.sessions, self._examine, self._verify_shard, self._check_step, shards, progress)
+
+        return self.start("verify", run_name, {"run": run_name, "step": step}, len(shards), work)
+
+    def start(self, kind: str, run_name: str, params: dict[str, Any], total: int,
+              work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> dict[str, Any]:
+        """Record a queued job and run ``work(progress)`` on the runner thread."""
         with self.sessions.begin() as s:
-            run, shards = select_shards(s, run_name, step)
-            job = Job(kind="verify", run_id=run.id, state="queued", total=len(shards), done=0,
-                      params=json.dumps({"run": run_name, "step": step}))
+            run = get_run(s, run_name)
+            job = Job(kind=kind, run_id=run.id, state="queued", total=total, done=0, params=json.dumps(params))
             s.add(job)
             s.flush()
             doc = job_dict(job)
-        self._pool.submit(self._run, doc["id"], shards)
+        self._pool.submit(self._run, doc["id"], work)
         return doc
 
     def _set(self, job_id: int, **values: Any) -> None:
@@ -111,14 +122,13 @@ class JobRunner:
             for k, v in values.items():
                 setattr(job, k, v)
 
-    def _run(self, job_id: int, shards: list[tuple[int, str, int]]) -> None:
+    def _run(self, job_id: int, work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> None:
         self._set(job_id, state="running")
         try:
-            result = reverify(
-                self.sessions, self._examine, self._verify_shard, self._check_step, shards,
-                lambda done, total: self._set(job_id, done=done),
-            )
-            self._set(job_id, state="done", result=json.dumps(result))
+            result = work(lambda done, total: self._set(job_id, done=done, total=total))
+            self._set(job_id, state="done", result=json.dumps(result, default=str))
+        except CkptdError as exc:
+            self._set(job_id, state="failed", error=str(exc))
         except Exception as exc:  # recorded on the job for the operator; the runner lives on
             log.exception("job %s failed", job_id)
             self._set(job_id, state="failed", error=f"{exc.__class__.__name__}: {exc}")

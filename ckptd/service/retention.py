@@ -48,10 +48,9 @@ def _inside(root: str, path: str) -> bool:
 
 
 def _lineage_ids(s: Session) -> set[int]:
-    """Steps that converted copies or conversion jobs point at: deleting them would orphan lineage."""
-    ids = set(s.execute(select(Checkpoint.derived_from_id).where(Checkpoint.derived_from_id.is_not(None))).scalars())
-    ids |= set(s.execute(select(ConversionJob.source_checkpoint_id)).scalars())
-    return ids
+    """Steps a running conversion is reading (finished copies are deleted together with their source)."""
+    return set(s.execute(
+        select(ConversionJob.source_checkpoint_id).where(ConversionJob.state.in_(("queued", "running")))).scalars())
 
 
 def plan_run(s: Session, run: Run, policy: RetentionPolicy) -> tuple[list[int], dict[str, Any]]:
@@ -108,6 +107,15 @@ def _locked(stmt, s: Session):  # noqa: ANN001, ANN202
     return stmt.with_for_update() if s.get_bind().dialect.name == "postgresql" else stmt
 
 
+def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
+    """A checkpoint's rows and everything that points at them (events, shards)."""
+    shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
+    s.execute(delete(VerificationEvent).where(
+        (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
+    s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
+    s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id))
+
+
 def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None) -> int:
     """Phases 2 and 3 for every step left in ``deleting`` (also after a crash)."""
     report = report or GcReport(dry_run=False)
@@ -130,10 +138,9 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if blocked:
             continue  # keep the rows: an operator must look at this step
         with sessions.begin() as s:
-            shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
-            s.execute(delete(VerificationEvent).where(
-                (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
-            s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
-            s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id, Checkpoint.state == StepState.DELETING.value))
+            from ckptd.service.conversions import delete_derived
+
+            report.deleted_files += len(delete_derived(s, ckpt_id, root))
+            delete_checkpoint_rows(s, ckpt_id)
         report.deleted_steps += 1
     return len(pending)

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 23:47:13.236572
+Create Date: 2026-11-30 00:30:19.040867
 """
 
 from alembic import op
@@ -79,6 +79,7 @@ def upgrade() -> None:
     sa.Column('epoch', sa.Integer(), nullable=False),
     sa.Column('step', sa.BigInteger(), nullable=False),
     sa.Column('kind', sa.String(length=16), nullable=False),
+    sa.Column('layout', sa.String(length=80), nullable=False),
     sa.Column('global_step', sa.BigInteger(), nullable=True),
     sa.Column('state', sa.String(length=16), nullable=False),
     sa.Column('expected_ranks', sa.Integer(), nullable=True),
@@ -96,7 +97,7 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ),
     sa.ForeignKeyConstraint(['strategy_id'], ['strategy_files.id'], ),
     sa.PrimaryKeyConstraint('id'),
-    sa.UniqueConstraint('run_id', 'prefix', 'epoch', 'step', 'kind')
+    sa.UniqueConstraint('run_id', 'prefix', 'epoch', 'step', 'kind', 'layout')
     )
     with op.batch_alter_table('checkpoints', schema=None) as batch_op:
         batch_op.create_index('ix_checkpoints_run_state_order', ['run_id', 'state', 'epoch', 'step'], unique=False)

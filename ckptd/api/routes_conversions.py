@@ -1,0 +1,45 @@
+"""/v1/runs/{run}/conversions: re-shard a verified step for another layout (background job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ckptd.api.deps import AdminScope, ReadScope, RunName, SessionDep
+from ckptd.api.schemas import ConversionRequest, JobOut
+from ckptd.runlayout import resolves_inside
+from ckptd.service import conversions
+from ckptd.service.catalog import InvalidRequestError
+
+router = APIRouter(prefix="/v1/runs", tags=["conversions"])
+
+
+@router.get("/{run}/conversions")
+def list_conversions(run: RunName, s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
+    return conversions.list_conversions(s, run)
+
+
+@router.post("/{run}/conversions", response_model=JobOut, status_code=202)
+def start_conversion(run: RunName, body: ConversionRequest, request: Request, _: AdminScope) -> dict[str, Any]:
+    """Convert in the background into ``<root>/<run>/converted/``; poll ``GET /v1/jobs/{id}``.
+
+    The result is catalogued as a converted copy, which ``/resume?world_size=W`` then points at.
+    """
+    settings = request.app.state.settings
+    root = str(settings.root)
+    if (body.to_layout is None) == (body.to_strategy is None):
+        raise InvalidRequestError("give exactly one of to_layout / to_strategy")
+    if body.to_strategy not in (None, "none") and not resolves_inside(root, body.to_strategy):
+        raise InvalidRequestError("to_strategy must be a file inside the checkpoint root", hint="copy it under the run directory")
+    daemon = request.app.state.daemon
+    with daemon.sessions() as s:
+        conversions.check_source(s, run, body.step)  # 404 / 400 now, not a failed job later
+
+    def work(progress):  # noqa: ANN001, ANN202
+        return conversions.convert_step(
+            daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, to_layout=body.to_layout,
+            key=daemon.verifier.key, progress=progress,
+        )
+
+    return request.app.state.jobs.start("convert", run, body.model_dump(), 0, work)

@@ -1,0 +1,96 @@
+"""Conversions of catalogued steps: API job, lineage, the resume oracle's converted copy, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ckptd.format.checkpoint import open_checkpoint
+from ckptd.settings import Settings
+from tests.api_helpers import Server
+from tests.daemon_helpers import query, rank_tensors, save_shard, write_tp_strategy
+
+TOKENS = {"a-token": "admin"}
+
+
+@pytest.fixture
+def root(tmp_path):
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+def _job(ms, root, steps=(100, 200)):
+    write_tp_strategy(root / "run1")
+    for step in steps:
+        for rank in range(2):
+            save_shard(ms, root, "run1", rank, step)
+
+
+def _wait(c, job_id):
+    import time
+
+    deadline = time.monotonic() + 60
+    while (job := c.get(f"/v1/jobs/{job_id}").json())["state"] not in ("done", "failed"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    return job
+
+
+def test_api_conversion_is_catalogued_and_served_for_the_target_world_size(ms, root, catalog_url):
+    _job(ms, root)
+    with Server(Settings(root=root, db=catalog_url, settle_seconds=0.2, tokens=TOKENS)) as srv:
+        srv.settle()
+        c = srv.client("a-token")
+        job = c.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": "none"})
+        assert job.status_code == 202, job.text
+        done = _wait(c, job.json()["id"])
+        assert done["state"] == "done", done
+        conv = c.get("/v1/runs/run1/conversions").json()
+        assert conv[0]["state"] == "done" and conv[0]["source_step"] == 100 and conv[0]["target_strategy_hash"] == "none"
+        # the newest step has no copy yet; asking at or before 150 finds the converted one
+        assert c.get("/v1/runs/run1/resume", params={"world_size": 1}).json()["conversion"]["existing"] is None
+        answer = c.get("/v1/runs/run1/resume", params={"world_size": 1, "max_step": 150, "lease": False}).json()
+        assert answer["step"] == 100 and answer["conversion"]["needed"]
+        (shard,) = answer["conversion"]["existing"]["shards"]
+        copy_dir = os.path.dirname(os.path.dirname(shard["path"]))
+        assert copy_dir.startswith(str(root / "run1" / "converted"))
+        with open_checkpoint(shard["path"]) as ck:
+            full = np.concatenate([rank_tensors(0, 100)["w"], rank_tensors(1, 100)["w"]])
+            np.testing.assert_array_equal(ck.array("w"), full)
+            assert ck.value("step_num") == 100
+        srv.settle()  # the watcher leaves converted copies alone
+        assert dict(query(catalog_url, "SELECT kind, count(*) FROM checkpoints GROUP BY kind")) == {"trained": 2, "converted": 1}
+        lineage = query(catalog_url, "SELECT derived_from_id IS NOT NULL, state FROM checkpoints WHERE kind = 'converted'")
+        assert lineage == [(True, "verified")]
+        bad = c.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": "/etc/passwd"})
+        assert bad.status_code == 400 and "inside the checkpoint root" in bad.json()["detail"]["message"]
+        assert c.post("/v1/runs/run1/conversions", json={"step": 999, "to_strategy": "none"}).status_code == 404
+        assert c.post("/v1/runs/run1/conversions", json={"step": 100, "to_layout": "tp=1; rm -rf /"}).status_code == 422
+        # retention deleting the source step removes its converted copy with it
+        gc = c.post("/v1/runs/run1/gc", json={"keep_last": 1, "dry_run": False}).json()
+        assert gc.get("deleted_steps") == 1, gc and not os.path.exists(copy_dir)
+        assert dict(query(catalog_url, "SELECT kind, count(*) FROM checkpoints GROUP BY kind")) == {"trained": 1}
+
+
+def test_cli_convert_from_the_catalog(ms, root, catalog_url):
+    _job(ms, root, steps=(100,))
+    with Server(Settings(root=root, db=catalog_url, settle_seconds=0.2)) as srv:
+        srv.settle()
+    env = dict(os.environ, CKPTD_DB=catalog_url, CKPTD_ROOT=str(root))
+    out = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy", "none",
+                          "--json"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["state"] == "done" and doc["report"]["verified"]
+    refused = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy",
+                              "none"], capture_output=True, text=True, env=env)
+    assert refused.returncode == 1 and "refusing to overwrite" in refused.stderr and "Traceback" not in refused.stderr
+    gc = subprocess.run([sys.executable, "-m", "ckptd", "gc", "--run", "run1", "--keep-last", "1", "--json"],
+                        capture_output=True, text=True, env=env)
+    assert json.loads(gc.stdout)["deleted_steps"] == 0  # the only step is the newest restorable one
