@@ -47,7 +47,6 @@ from ckptd.convert.plan import (
     TensorTask,
     plan_conversion,
 )
-from ckptd.errors import CkptdError
 from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.atomic import atomic_write, fsync_dir
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint, write_checkpoint

@@ -32,7 +32,6 @@ Rules (the same as ``mindspore.transform_checkpoints`` unless said otherwise):
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Mapping, Sequence
 
