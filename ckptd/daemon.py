@@ -78,6 +78,9 @@ class Daemon:
     def stop(self) -> None:
         self._stopping.set()
         self.watcher.stop()
-        self.verifier.drain(timeout=60)
+        try:
+            self.verifier.drain(timeout=60)
+        except TimeoutError:
+            log.warning("stopping with verification still queued; the next start re-queues it")
         self.verifier.close()
         self.engine.dispose()

@@ -50,12 +50,18 @@ def step_state(expected_ranks: int | None, shard_states: dict[int, ShardState], 
 
     ``step_checks_ok`` is None until the step-level checks ran (they run once all shards verified).
     """
-    states = set(shard_states.values())
+    return step_state_from(expected_ranks, len(shard_states), set(shard_states.values()), step_checks_ok)
+
+
+def step_state_from(
+    expected_ranks: int | None, ranks_present: int, states: set[ShardState], step_checks_ok: bool | None
+) -> StepState:
+    """The same decision from aggregates (what the catalog computes in SQL for 512-rank steps)."""
     if ShardState.DELETED in states:
         return StepState.DELETED
     if ShardState.CORRUPT in states or step_checks_ok is False:
         return StepState.CORRUPT
-    if expected_ranks is None or len(shard_states) < expected_ranks:
+    if expected_ranks is None or ranks_present < expected_ranks:
         return StepState.INCOMPLETE
     if states == {ShardState.VERIFIED} and step_checks_ok:
         return StepState.VERIFIED

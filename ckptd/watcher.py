@@ -132,7 +132,7 @@ class Watcher:
                     self._busy = self._rescan_now
 
     def _rescan(self) -> None:
-        report = self.ingestor.rescan()
+        report = self.ingestor.rescan(should_stop=lambda: self._stop)
         self.rescans += 1
         self.ready.set()
         for path in report.unsettled:
@@ -140,6 +140,8 @@ class Watcher:
         log.info("rescan: %d shards, %d new, %d deleted", report.shards_seen, report.shards_new, report.shards_deleted)
 
     def _examine(self, path: str) -> None:
+        if self._stop:
+            return
         if self.ingestor.examine(path) == "unsettled":
             self.poke(path, self.settle_seconds)
 

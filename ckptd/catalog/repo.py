@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Select, select, update
+from sqlalchemy import Select, distinct, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, VerificationEvent
-from ckptd.states import ShardState, StepState, step_state
+from ckptd.states import ShardState, StepState, step_state_from
 
 
 def _insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
@@ -159,16 +159,16 @@ def lock_checkpoint(session: Session, ckpt_id: int) -> Checkpoint:
 
 def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
     """Derive and store the step's state from its shard rows (caller holds the row lock)."""
-    shards = session.execute(select(Shard.rank, Shard.state).where(Shard.checkpoint_id == ckpt.id)).all()
-    by_rank: dict[int, ShardState] = {}
-    duplicate = False
-    for rank, state in shards:
-        duplicate |= rank in by_rank
-        by_rank[rank] = ShardState(state) if rank not in by_rank else _worst(by_rank[rank], ShardState(state))
     if ckpt.state == StepState.DELETING.value:
         return StepState.DELETING  # retention owns it now; file deletions are expected
+    # aggregates, not rows: this runs for every shard event of a step with hundreds of ranks
+    counts = dict(session.execute(
+        select(Shard.state, func.count()).where(Shard.checkpoint_id == ckpt.id).group_by(Shard.state)).all())
+    ranks = session.execute(select(func.count(distinct(Shard.rank))).where(Shard.checkpoint_id == ckpt.id)).scalar_one()
+    duplicate = sum(counts.values()) > ranks
+    states = {ShardState(st) for st in counts}
     checks = False if duplicate else ckpt.step_checks_ok
-    new = step_state(ckpt.expected_ranks, by_rank, checks)
+    new = step_state_from(ckpt.expected_ranks, ranks, states, checks)
     if new.value != ckpt.state:
         ckpt.state = new.value
     if duplicate and not ckpt.reason:
@@ -185,11 +185,6 @@ def _shard_failures(session: Session, ckpt_id: int) -> str:
     ).all()
     text = "; ".join(f"rank {rank}: {error or 'failed verification'}" for rank, error in bad[:3])
     return text + (f"; and {len(bad) - 3} more ranks" if len(bad) > 3 else "")
-
-
-def _worst(a: ShardState, b: ShardState) -> ShardState:
-    order = [ShardState.DELETED, ShardState.CORRUPT, ShardState.COMPLETE, ShardState.VERIFIED]
-    return min(a, b, key=order.index)
 
 
 def upsert_strategy(session: Session, run: Run, path: str, content_hash: str, fmt: str, world: int, stages: int, error: str | None) -> StrategyFile:

@@ -54,9 +54,13 @@ class Ingestor:
 
     # --- entry points --------------------------------------------------------------------------
 
-    def rescan(self) -> ScanReport:
+    def rescan(self, should_stop: Callable[[], bool] = lambda: False) -> ScanReport:
+        """Reconcile everything under the root. Files whose size/mtime/inode match a settled
+        catalog row are skipped without being opened (one bulk select per rescan), so a rescan
+        of an unchanged tree costs a stat per file."""
         report = ScanReport()
         seen: set[str] = set()
+        known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
         except FileNotFoundError:
@@ -68,9 +72,13 @@ class Ingestor:
             for rank_path in runlayout.rank_dirs(run_path).values():
                 with os.scandir(rank_path) as it:
                     for entry in it:
+                        if should_stop():
+                            return report
                         if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
                             report.shards_seen += 1
                             seen.add(entry.path)
+                            if self._unchanged(entry, known):
+                                continue
                             outcome = self.examine(entry.path)
                             if outcome == "new":
                                 report.shards_new += 1
@@ -78,6 +86,26 @@ class Ingestor:
                                 report.unsettled.append(entry.path)
         report.shards_deleted = self._reconcile_deleted(seen)
         return report
+
+    def _known_stats(self) -> dict[str, tuple[int, int, int]]:
+        """(size, mtime_ns, inode) of every settled (verified/corrupt) shard under the root."""
+        prefix = self.root.rstrip(os.sep) + os.sep
+        with self.sessions() as s:
+            rows = s.execute(
+                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
+                    Shard.path.startswith(prefix, autoescape=True),
+                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value)),
+                )
+            ).all()
+        return {p: (size, mtime, inode) for p, size, mtime, inode in rows}
+
+    @staticmethod
+    def _unchanged(entry: os.DirEntry, known: dict[str, tuple[int, int, int]]) -> bool:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return known.get(entry.path) == (st.st_size, st.st_mtime_ns, st.st_ino)
 
     def examine(self, path: str) -> str:
         """Bring the catalog in line with one path. Returns new|changed|same|unsettled|deleted|ignored."""

@@ -15,13 +15,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
+from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy, load_strategy
 from ckptd.format.verify import verify_file
 from ckptd.service.stepcheck import ShardRef, check_step, content_step
@@ -34,13 +35,20 @@ _DIGEST_CHUNK = 64 << 20
 
 
 def file_digest(path: str) -> str:
-    """xxh3-128 of the file's bytes (fast; detects any later change together with size)."""
+    """xxh3-128 of the file's bytes (fast; detects any later change together with size).
+
+    Hashes straight from an mmap, unmapping each chunk once hashed: no buffer to allocate (a
+    64 MiB bytearray per call once cost 40 ms for a 200-byte shard) and flat RSS for huge files.
+    """
     h = xxhash.xxh3_128()
-    buf = bytearray(_DIGEST_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
+    src = MmapSource(path)
+    try:
+        for off in range(0, src.size, _DIGEST_CHUNK):
+            n = min(_DIGEST_CHUNK, src.size - off)
+            h.update(src.view(off, n))
+            src.release(off, n)
+    finally:
+        src.close()
     return h.hexdigest()
 
 
@@ -218,8 +226,9 @@ class Verifier:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
                 return
-            shards = s.execute(select(Shard.rank, Shard.path, Shard.state).where(Shard.checkpoint_id == ckpt_id)).all()
-            if len(shards) < ckpt.expected_ranks or any(st != ShardState.VERIFIED.value for _, _, st in shards):
+            counts = dict(s.execute(select(Shard.state, func.count()).where(
+                Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
+            if set(counts) != {ShardState.VERIFIED.value} or counts[ShardState.VERIFIED.value] < ckpt.expected_ranks:
                 return
         with self._lock:  # the last two shards of a step can finish at the same moment: check once
             if ckpt_id in self._checking:
