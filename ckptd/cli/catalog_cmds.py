@@ -110,9 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from ckptd.api.app import create_app
 
-    settings = settings_from(args)
     extra = {k: v for k, v in (("host", args.host), ("port", args.port), ("token_file", args.token_file)) if v is not None}
-    settings = settings.model_copy(update=extra) if extra else settings
+    settings = settings_from(args, **extra)  # validated like every other source (token_file -> Path)
     if not settings.all_tokens() and not _is_loopback(settings.host):
         raise CkptdError(
             f"refusing to listen on {settings.host} without authentication",

@@ -34,14 +34,14 @@ def add_daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
+def settings_from(args: argparse.Namespace, **extra: object) -> Settings:
     """Flags override environment / config file; unset flags leave them alone."""
     mapping = {
         "root": "root", "db": "db", "key_file": "key_file", "world_size": "world_size",
         "require_encryption": "require_encryption", "require_crc": "require_crc", "verify_workers": "verify_workers",
     }
     overrides = {field: getattr(args, flag) for flag, field in mapping.items() if getattr(args, flag, None) is not None}
-    return Settings(**overrides)
+    return Settings(**overrides, **extra)
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:

@@ -148,6 +148,8 @@ class Ingestor:
         parse_error = self._parse_error(path)
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, name.run, os.path.join(self.root, name.run))
+            if not run.path:  # created by an early health report, before any file was seen
+                run.path = os.path.join(self.root, name.run)
             strategy = self._current_strategy(s, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, name.prefix, name.epoch, name.step, name.kind, expected)

@@ -191,13 +191,14 @@ class Verifier:
 
     def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
         values: dict[str, object] = {"digest": file_digest(path)}
-        hint = read_sidecar(path)
-        if hint is not None and (hint.get("size") != os.path.getsize(path) or hint.get("xxh3_128") not in (None, values["digest"])):
-            return values, [("sidecar_mismatch", f"the file differs from what the trainer recorded in {path}.done "
-                                                 f"(size {hint.get('size')}, digest {str(hint.get('xxh3_128'))[:12]}…)")]
         report = verify_file(path, self.key, require_crc=self.settings.require_crc)
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
+        hint = read_sidecar(path)
+        if hint is not None and (hint.get("size") != os.path.getsize(path) or hint.get("xxh3_128") not in (None, values["digest"])):
+            # after the format checks: a CRC error with its byte offset says more than "differs"
+            problems.append(("sidecar_mismatch", f"differs from the trainer's .done record (size {hint.get('size')}, "
+                                                 f"digest {str(hint.get('xxh3_128'))[:12]}…)"))
         if self.settings.require_encryption and report.format == "ckpt" and report.encryption is None and not problems:
             problems.append(("policy", "plaintext shard but require_encryption is set"))
         if report.ok:
