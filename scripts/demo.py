@@ -1,10 +1,13 @@
-"""`make demo`: ckptd watching a MindSpore job's checkpoints and answering "where do I resume?".
+"""`make demo`: a sharded MindSpore job loses a rank, asks ckptd where to resume, and trains on exactly.
 
-1. `ckptd serve` starts (embedded SQLite catalog, loopback only) on ./demo-out/checkpoints.
-2. A tensor-parallel job (tp=2) saves per-rank shards with MindSpore at steps 100..300.
-3. Things go wrong as they do at scale: a node dies in the middle of saving step 400, a bit rots
-   in step 300; the launcher asks ckptd where to resume and is told step 200, with the reasons.
-4. The file tools: `ckptd inspect` / `ckptd verify` on single shards (also encrypted ones).
+1. `ckptd serve` starts (embedded SQLite catalog, loopback) watching ./demo-out/checkpoints.
+2. The launcher starts a real 4-rank job under msrun (tensor parallel 2 x data parallel 2, a small
+   Llama on CPU) that checkpoints every few steps with async per-rank saves. Fault injection
+   SIGKILLs rank 2 a few steps after a checkpoint.
+3. The launcher notices, stops the job, asks ckptd's resume oracle, and restarts from the step ckptd
+   says is whole and verified. The loss curve continues -- the recomputed steps bit for bit.
+4. What ckptd knows: `ckptd ls`, the resume answer; then the file tools on one shard, and a flipped
+   bit caught by `ckptd verify` (and by the daemon, which moves the resume point back).
 Everything lands in ./demo-out (recreated on each run).
 """
 
@@ -17,60 +20,48 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
-OUT = Path("demo-out").resolve()
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "demo-out"
 ROOT = OUT / "checkpoints"
-CKPTD = [sys.executable, "-m", "ckptd"]
-TP, D, VOCAB = 2, 128, 256
+RUN = "llama"
+RUN_DIR = ROOT / RUN
+TP, DP = 2, 2
+STEPS, SAVE_EVERY = 30, 5
+FAULT_RANK, FAULT_STEP = 2, 23  # rank 2 is SIGKILLed at the start of step 23 (last save: step 20)
+MODEL = ["--hidden", "64", "--heads", "4", "--ffn", "128", "--layers", "2", "--seq", "32",
+         "--micro-batch", "2", "--warmup", "5", "--lr", "5e-3"]
+BOLD, DIM, RED, GREEN, OFF = ("\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[0m") if sys.stdout.isatty() \
+    else ("", "", "", "", "")
+_print_lock = threading.Lock()
+
+
+def say(text: str = "") -> None:
+    with _print_lock:
+        print(text.replace(str(OUT), "demo-out"), flush=True)
 
 
 def banner(text: str) -> None:
-    print(f"\n\033[1m== {text}\033[0m", flush=True)
+    say(f"\n{BOLD}== {text}{OFF}")
 
 
-def run(*args: str, show: bool = True) -> int:
-    print(f"$ ckptd {' '.join(args)}", flush=True)
-    return subprocess.call([*CKPTD, *args], stdout=None if show else subprocess.DEVNULL)
-
-
-def shard_tensors(rank: int, step: int) -> dict[str, np.ndarray]:
-    """One tensor-parallel rank's slice of a tiny Llama layer plus Adam moments."""
-    rng = np.random.default_rng(step * 10 + rank)
-    p = {
-        "embed.weight": rng.standard_normal((VOCAB // TP, D), np.float32),
-        "attn.wq.weight": rng.standard_normal((D // TP, D), np.float32),
-        "attn.wo.weight": rng.standard_normal((D, D // TP), np.float32),
-        "norm.weight": np.ones(D, np.float32),
-    }
-    p.update({f"adam_m.{k}": v * 0.01 for k, v in list(p.items())})
-    return p
-
-
-def write_strategy(run_dir: Path) -> None:
-    from ckptd.format.layout import TensorLayout
-    from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
-
-    maps = {"embed.weight": (1, -1), "attn.wq.weight": (1, -1), "attn.wo.weight": (-1, 1), "norm.weight": (-1,)}
-    entries = []
-    for name, tmap in maps.items():
-        for full in (name, f"adam_m.{name}"):
-            entries.append(ParamStrategy(full, TensorLayout(dev_matrix=(1, TP), tensor_map=tuple(0 if m == 1 else m for m in tmap))))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_strategy(Strategy.build(tuple(entries)), run_dir / "strategy.ckpt")
-
-
-def save(ms, rank: int, step: int) -> Path:
-    rank_dir = ROOT / "llama" / f"rank_{rank}"
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    path = rank_dir / f"llama-1_{step}.ckpt"
-    data = [{"name": n, "data": ms.Tensor(a)} for n, a in shard_tensors(rank, step).items()]
-    ms.save_checkpoint(data, str(path), crc_check=True, append_dict={"step_num": step, "epoch_num": 1, "rank_id": rank})
-    return path
+def ckptd(*args: str, env: dict[str, str], head: int | None = None, tail: int = 0) -> int:
+    """Run and show one ckptd CLI command (optionally abridged to its first/last lines)."""
+    say(f"$ ckptd {' '.join(args)}")
+    proc = subprocess.run([sys.executable, "-m", "ckptd", *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          check=False)
+    lines = (proc.stdout + proc.stderr).rstrip("\n").splitlines()
+    if head is not None and len(lines) > head + tail + 1:
+        lines = lines[:head] + [f"{DIM}  ... {len(lines) - head - tail} more lines ...{OFF}"] + lines[-tail:]
+    for line in lines:
+        say(f"  {line}")
+    say(f"{DIM}  (exit code {proc.returncode}){OFF}")
+    return proc.returncode
 
 
 def free_port() -> int:
@@ -87,84 +78,175 @@ def get(url: str) -> dict:
         return json.loads(err.read())
 
 
-def wait_until(predicate, timeout: float = 30.0) -> None:
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
         if time.monotonic() > deadline:
-            raise SystemExit("demo: timed out waiting for ckptd")
+            raise SystemExit(f"demo: timed out waiting for {what} (see {OUT / 'ckptd.log'})")
         time.sleep(0.2)
 
 
-def main() -> int:
-    os.environ.setdefault("GLOG_v", "3")
-    import mindspore as ms
+class LossCurve:
+    """Tails rank 0's metrics.jsonl and prints one line per step; marks the resume point and checks that
+    steps trained again after the resume give bit-for-bit the loss they had before the failure."""
 
+    def __init__(self, path: Path) -> None:
+        self.path, self.stop = path, threading.Event()
+        self.seen: dict[int, str] = {}  # step -> loss_hex of its first computation
+        self.attempt = 0
+        self.recomputed: list[tuple[int, bool]] = []
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        pos, buf = 0, ""
+        while not self.stop.is_set() or os.path.exists(self.path) and os.path.getsize(self.path) > pos:
+            if os.path.exists(self.path):
+                with open(self.path) as fh:
+                    fh.seek(pos)
+                    buf += fh.read()
+                    pos = fh.tell()
+                *done, buf = buf.split("\n")
+                for line in done:
+                    if line.strip():
+                        self._show(json.loads(line))
+            time.sleep(0.1)
+
+    def _show(self, d: dict) -> None:
+        step, loss = d["step"], d["loss"]
+        if d["attempt"] != self.attempt:
+            self.attempt = d["attempt"]
+            say(f"  {BOLD}---- attempt {self.attempt}: resumed, training continues from step {step} ----{OFF}")
+        note = ""
+        if step in self.seen:
+            same = self.seen[step] == d["loss_hex"]
+            self.recomputed.append((step, same))
+            note = f"{GREEN}= attempt 0, bit for bit{OFF}" if same else f"{RED}differs from attempt 0!{OFF}"
+        else:
+            self.seen[step] = d["loss_hex"]
+        saved = f"  saved step {step}" if d["save_s"] > 0 else ""
+        bar = "#" * max(1, int((loss - 2.0) * 12))
+        say(f"  step {step:3d}  loss {loss:.4f}  {DIM}{bar:<45}{OFF}{note}{saved}")
+        self.first_loss = self.first_loss if self.first_loss is not None else loss
+        self.last_loss = loss
+
+
+def main() -> int:
+    t_start = time.monotonic()
     shutil.rmtree(OUT, ignore_errors=True)
     ROOT.mkdir(parents=True)
     db = f"sqlite:///{OUT / 'catalog.db'}"
-    env = dict(os.environ, CKPTD_DB=db, CKPTD_ROOT=str(ROOT), CKPTD_SETTLE_SECONDS="0.5")
-    os.environ.update(CKPTD_DB=db, CKPTD_ROOT=str(ROOT))
+    env = dict(os.environ, CKPTD_DB=db, CKPTD_ROOT=str(ROOT), GLOG_v="3", PYTHONPATH=str(REPO))
+    env.pop("CKPTD_TOKENS", None)
+    env.pop("CKPTD_TOKEN", None)
 
-    banner("1. Start ckptd (catalog: embedded SQLite; API on loopback)")
-    run("db", "upgrade")
+    banner("1. Start ckptd: catalog on embedded SQLite, API on loopback, watching demo-out/checkpoints")
+    ckptd("db", "upgrade", env=env)
     port = free_port()
-    log = open(OUT / "ckptd.log", "wb")
-    server = subprocess.Popen([*CKPTD, "serve", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    log = open(OUT / "ckptd.log", "wb")  # noqa: SIM115 -- the daemon's log for the whole demo
+    server = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(ROOT), "--port", str(port)],
+                              env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    say(f"$ ckptd serve --root {ROOT} --port {port} &")
+    launcher = None
     try:
-        wait_until(lambda: _up(base))
-        print(f"ckptd serving on {base} (log: {OUT / 'ckptd.log'})")
+        wait_until(lambda: get(f"{url}/healthz").get("first_rescan_done"), "ckptd to start")
+        say(f"  ckptd is up: {url}  (log: {OUT / 'ckptd.log'})")
 
-        banner("2. A tp=2 MindSpore job saves per-rank shards at steps 100, 200, 300")
-        write_strategy(ROOT / "llama")
-        for step in (100, 200, 300):
-            for rank in range(TP):
-                print(f"  rank {rank} saved {save(ms, rank, step).relative_to(OUT)}")
-        wait_until(lambda: get(f"{base}/v1/runs/llama/resume").get("step") == 300)
-        run("ls", "llama")
-        print(f"$ curl {base}/v1/runs/llama/resume")
-        print(json.dumps(get(f"{base}/v1/runs/llama/resume"), indent=2))
+        banner(f"2. A 4-rank job (tp={TP} x dp={DP}) through the launcher; rank {FAULT_RANK} will be killed "
+               f"at step {FAULT_STEP}")
+        cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(RUN_DIR), "--tp", str(TP), "--dp", str(DP),
+               "--ckptd-url", url, "--backoff", "0.5", "--fault", f"kill:{FAULT_RANK}:{FAULT_STEP}",
+               "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *MODEL]
+        say(f"$ python -m trainer.launch --run-dir {RUN_DIR} --tp {TP} --dp {DP} --ckptd-url {url} \\\n"
+            f"      --fault kill:{FAULT_RANK}:{FAULT_STEP} -- --steps {STEPS} --save-every {SAVE_EVERY} ...")
+        say(f"{DIM}  (launch: lines are the launcher's decisions; step lines are rank 0's loss as it trains){OFF}")
+        curve = LossCurve(RUN_DIR / "metrics.jsonl")
+        curve.thread.start()
+        launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        decisions = []
+        for line in launcher.stderr:
+            if line.startswith("launch:"):
+                decisions.append(line.rstrip())
+                say(f"  {BOLD}{line.rstrip()}{OFF}")
+        rc = launcher.wait()
+        curve.stop.set()
+        curve.thread.join()
+        if rc != 0:
+            say(f"{RED}launcher exited {rc}; see {RUN_DIR / 'launcher.log'}{OFF}")
+            return rc
+        same = sum(ok for _, ok in curve.recomputed)
+        say(f"\n  loss {curve.first_loss:.3f} -> {curve.last_loss:.3f} over {STEPS} steps; "
+            f"{len(curve.recomputed)} steps trained again after the resume, {same} of them bit-for-bit identical")
 
-        banner("3. A node dies while saving step 400; a bit rots in step 300")
-        save(ms, 0, 400)
-        torn = ROOT / "llama" / "rank_1" / "llama-1_400.tmp"  # rank 1's save never reached its rename
-        torn.write_bytes((ROOT / "llama" / "rank_0" / "llama-1_400.ckpt").read_bytes()[:5000])
-        victim = ROOT / "llama" / "rank_0" / "llama-1_300.ckpt"
-        os.chmod(victim, 0o600)
-        with open(victim, "r+b") as fh:
-            fh.seek(victim.stat().st_size // 2)
+        banner("3. What ckptd knows")
+        failed = next((d for d in decisions if "event=rank_failed" in d), "")
+        resumed = next((d for d in decisions if "event=resume" in d), "")
+        say(f"  the launcher saw:   {failed.split('event=', 1)[-1]}")
+        say(f"  and ckptd told it:  {resumed.split('event=', 1)[-1]}")
+        answer_file = RUN_DIR / "launcher" / "resume_1.json"
+        if answer_file.exists():
+            answer = json.loads(answer_file.read_text())
+            say(f"  the resume answer it got (GET /v1/runs/{RUN}/resume, saved as {answer_file}):")
+            head = {k: answer.get(k) for k in ("run", "step", "epoch", "global_step", "world_size", "strategy_file")}
+            say(f"    {json.dumps(head)[:-1]},")
+            say('     "shards": [')
+            for s in answer["shards"]:
+                say(f"       {json.dumps(s)},")
+            say(f'     ], "skipped": {json.dumps(answer["skipped"])}, "conversion": {json.dumps(answer["conversion"])}}}')
+            why = "; ".join(f"step {x['step']}: {x['reason']}" for x in answer["skipped"]) or \
+                "nothing newer was saved before the kill"
+            say(f"  why step {answer['step']}: the newest save whose {len(answer['shards'])} shards are all verified "
+                f"(structure, CRC, the trainer's size+digest sidecar, step-level checks); skipped: {why}")
+        wait_until(lambda: get(f"{url}/v1/runs/{RUN}/resume").get("step") == STEPS, "ckptd to verify the last step")
+        ckptd("ls", env=env)
+        ckptd("ls", RUN, env=env)
+
+        banner("4. File tools on one shard, and a flipped bit")
+        shard = RUN_DIR / f"rank_{FAULT_RANK}" / f"llama-1_{STEPS}.ckpt"
+        ckptd("inspect", str(shard), env=env, head=8, tail=8)
+        os.chmod(shard, 0o600)  # MindSpore leaves shards read-only
+        with open(shard, "r+b") as fh:
+            fh.seek(shard.stat().st_size // 2)
             byte = fh.read(1)
             fh.seek(-1, 1)
             fh.write(bytes([byte[0] ^ 0x08]))
-        print("  rank_1/llama-1_400.tmp left behind (never renamed); rank_0/llama-1_300.ckpt has one flipped bit")
-        run("verify", "--run", "llama", "--step", "300")
-        banner("   The launcher asks where to resume")
-        run("resume", "--run", "llama")
-        run("show", "llama", "300")
-
-        banner("4. File tools on single shards (no catalog needed)")
-        run("inspect", str(ROOT / "llama" / "rank_0" / "llama-1_200.ckpt"))
-        key = os.urandom(32)
-        (OUT / "ckpt.key").write_bytes(key)
-        enc = OUT / "encrypted-1_200.ckpt"
-        data = [{"name": n, "data": ms.Tensor(a)} for n, a in shard_tensors(0, 200).items()]
-        ms.save_checkpoint(data, str(enc), enc_key=key, enc_mode="AES-GCM")
-        run("verify", "--key-file", str(OUT / "ckpt.key"), str(enc))
-        (OUT / "wrong.key").write_bytes(os.urandom(32))
-        run("verify", "--key-file", str(OUT / "wrong.key"), str(enc))
-        run("verify", str(victim), str(ROOT / "llama" / "rank_0" / "llama-1_200.ckpt"))
+        say(f"  (flipped one bit in the middle of {shard})")
+        ckptd("verify", str(shard), env=env)
+        say(f"$ curl -X POST {url}/v1/runs/{RUN}/verify -H 'Content-Type: application/json' -d '{{\"step\": {STEPS}}}'")
+        say(f"{DIM}  (an operator re-verifies the step){OFF}")
+        job = post(f"{url}/v1/runs/{RUN}/verify", {"step": STEPS})
+        wait_until(lambda: get(f"{url}/v1/jobs/{job['id']}")["state"] in ("done", "failed"), "the verify job")
+        say(f"  {json.dumps(get(f'{url}/v1/jobs/' + str(job['id'])).get('result'))}")
+        wait_until(lambda: get(f"{url}/v1/runs/{RUN}/resume").get("step") != STEPS, "ckptd to rule out the step")
+        say(f"  step {STEPS} is now corrupt in the catalog; a restart now would be told:")
+        ckptd("resume", "--run", RUN, env=env)
     finally:
+        if launcher is not None and launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)  # the launcher then stops every rank it started
+            launcher.wait(30)
         server.send_signal(signal.SIGTERM)
-        server.wait(30)
-    banner(f"Done. Catalog, checkpoints and the daemon log are in {OUT}")
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    banner(f"Done in {time.monotonic() - t_start:.0f}s. Catalog, checkpoints, launcher and daemon logs: {OUT}")
     return 0
-
-
-def _up(base: str) -> bool:
-    try:
-        return get(f"{base}/healthz").get("first_rescan_done", False)
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":

@@ -65,16 +65,30 @@ class HealthReporter:
         except queue.Full:
             self.dropped += 1
 
+    def flush(self, timeout: float = 2.0) -> bool:
+        """At the end of training: give queued reports up to ``timeout`` s to go out (the last steps'
+        health would otherwise die with the process). Bounded, so a down ckptd costs at most that."""
+        deadline = time.monotonic() + timeout
+        while self.url and self.q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not (self.url and self.q.unfinished_tasks)
+
     def _run(self) -> None:
         while True:
             doc = self.q.get()
-            req = urllib.request.Request(self.url, data=json.dumps(doc).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-            if self.token:
-                req.add_header("Authorization", f"Bearer {self.token}")
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    resp.read()
-                self.sent += 1
-            except Exception:  # noqa: BLE001 -- ckptd down/slow/refusing: health is best effort by design
-                self.failed += 1
+                self._post(doc)
+            finally:
+                self.q.task_done()
+
+    def _post(self, doc: dict) -> None:
+        req = urllib.request.Request(self.url, data=json.dumps(doc).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                resp.read()
+            self.sent += 1
+        except Exception:  # noqa: BLE001 -- ckptd down/slow/refusing: health is best effort by design
+            self.failed += 1

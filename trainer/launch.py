@@ -2,7 +2,9 @@
 
 ``python -m trainer.launch --run-dir D --tp 2 --dp 2 [--ckptd-url URL | --resume-cmd CMD] -- [train args]``
 
-Per attempt: ask the resume oracle (ckptd over HTTP, or a command printing the same JSON), start
+Per attempt: ask the resume oracle (ckptd over HTTP -- after giving ckptd up to ``--settle-timeout``
+to judge the newest save committed on disk, so a restart is not told an older step only because the
+daemon is still verifying the last one -- or a command printing the same JSON), start
 ``msrun`` with ``--resume-from`` when there is something to resume, then watch each rank's heartbeat
 file (pid, step, phase, time) and exit marker. A rank fails when its process is gone without a clean
 exit marker, when it writes a non-zero exit marker, or when its heartbeat goes stale (a hung rank --
@@ -30,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from trainer.health import exit_path, heartbeat_path
-from trainer.oracle import OracleError, ResumeAnswer, ask_command, ask_http
+from trainer.oracle import OracleError, ResumeAnswer, ask_command, ask_http, wait_for_verdicts
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(REPO_ROOT, "trainer", "train.py")
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckptd-url", default=os.environ.get("CKPTD_URL"), help="resume oracle + health reports")
     p.add_argument("--resume-cmd", default=None, help="shell command printing a resume answer (instead of HTTP)")
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
+    p.add_argument("--settle-timeout", type=float, default=60.0,
+                   help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--backoff", type=float, default=1.0, help="first restart delay (s); doubles each restart")
     p.add_argument("--backoff-max", type=float, default=30.0)
@@ -69,7 +73,7 @@ class Log:
         parts = []
         for k, v in fields.items():
             s = str(v)
-            parts.append(f"{k}={json.dumps(s) if (' ' in s or not s) else s}")
+            parts.append(f"{k}={json.dumps(s, ensure_ascii=False) if (' ' in s or not s) else s}")
         line = "launch: " + " ".join(parts)
         print(line, file=sys.stderr, flush=True)
         with open(self.path, "a") as fh:
@@ -235,12 +239,28 @@ class Job:
         self.out.close()
 
 
-def ask_oracle(args, world: int) -> ResumeAnswer:
+def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
     if args.resume_cmd:
         return ask_command(args.resume_cmd, world)
     if args.ckptd_url:
+        if args.settle_timeout > 0:
+            settle(args, world, attempt, log)
         return ask_http(args.ckptd_url, args.run_name, world)
     return ResumeAnswer(None, None, "no oracle configured")
+
+
+def settle(args, world: int, attempt: int, log: Log) -> None:
+    """Give ckptd time to judge the save the job finished just before it died (see wait_for_verdicts)."""
+    res = wait_for_verdicts(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout)
+    if not res.states:
+        return  # nothing committed on disk: nothing to wait for
+    seen = ", ".join(f"{step}={state}" for (_, step), state in res.states.items())
+    if res.settled:
+        log(attempt=attempt, event="catalog_settled", waited=f"{res.waited:.1f}s", steps=seen,
+            reason="ckptd has judged the newest committed save")
+    else:
+        log(attempt=attempt, event="catalog_lagging", waited=f"{res.waited:.1f}s", steps=seen,
+            reason="ckptd has not judged the newest committed save in time; asking anyway")
 
 
 def run(args) -> int:
@@ -254,7 +274,7 @@ def run(args) -> int:
         resume_file = None
         if attempt > 0 or not args.fresh:
             try:
-                answer = ask_oracle(args, world)
+                answer = ask_oracle(args, world, attempt, log)
             except OracleError as err:
                 log(attempt=attempt, event="oracle_error", reason=str(err))
                 return 2
@@ -268,11 +288,16 @@ def run(args) -> int:
         job = Job(args, attempt, hb_dir, resume_file, log)
         log(attempt=attempt, event="started", world=world, tp=args.tp, dp=args.dp, msrun_pid=job.proc.pid,
             logs=job.log_dir)
-        while True:
-            time.sleep(args.poll)
-            state, failure = job.check()
-            if state != "running":
-                break
+        try:
+            while True:
+                time.sleep(args.poll)
+                state, failure = job.check()
+                if state != "running":
+                    break
+        except BaseException as exc:  # Ctrl-C / SIGTERM: never leave ranks running (they are in their own sessions)
+            job.stop()
+            log(attempt=attempt, event="interrupted", reason=f"{type(exc).__name__}: stopped all ranks")
+            raise
         if state == "done":
             job.stop()
             log(attempt=attempt, event="finished", reason="every rank wrote a clean exit marker")
@@ -290,6 +315,10 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     return run(build_parser().parse_args(argv))
 
 

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     writer = CheckpointWriter(args.run_dir, topo, args.prefix, enc_key)
     faults = Faults(args.fault, rank, args.attempt == args.fault_attempt, lambda m: _log(rank, m),
                     os.path.join(hb_dir, f"fault_rank_{rank}.json"))
-    health = HealthReporter(args.ckptd_url, args.run_name or os.path.basename(os.path.abspath(args.run_dir)),
+    # one reporter per job: the loss is already reduced over tp/dp, so every rank would send the same
+    health = HealthReporter(args.ckptd_url if rank == 0 else None, args.run_name or os.path.basename(os.path.abspath(args.run_dir)),
                             os.environ.get("CKPTD_TOKEN"))
     if rank == 0:
         write_strategy(args.run_dir, model.specs, topo)
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.flush()
     hb.beat(step, "finishing")
     writer.wait()
+    health.flush()
     if metrics:
         metrics.close()
     hb.exited(0, step)
