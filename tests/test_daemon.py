@@ -282,3 +282,20 @@ def test_sidecar_commit_hint_is_checked(ms, root, catalog_url, daemon):
     _settled(daemon, catalog_url, {100: "corrupt"})
     codes = dict(query(catalog_url, "SELECT rank, error_code FROM shards"))
     assert codes == {0: None, 1: "sidecar_mismatch"}
+
+
+def test_strategy_overwritten_by_a_new_layout_keeps_old_steps_valid(ms, root, catalog_url, daemon):
+    write_tp_strategy(root / "run1", tp=2)
+    for rank in range(2):
+        save_shard(ms, root, "run1", rank, 100)
+    _settled(daemon, catalog_url, {100: "verified"})
+    (root / "run1" / "strategy.ckpt").unlink()
+    write_tp_strategy(root / "run1", tp=4)  # the job restarted on 4 ranks and rewrote its strategy file
+    daemon.ingestor.rescan()
+    for rank in range(4):
+        save_shard(ms, root, "run1", rank, 200, tensors=rank_tensors(rank, 200, tp=4))
+    _settled(daemon, catalog_url, {100: "verified", 200: "verified"})
+    (ckpt_id,) = query(catalog_url, "SELECT id FROM checkpoints WHERE step = 100")[0]
+    assert daemon.verifier.check_step(ckpt_id) == []  # re-checked against the layout it was saved with
+    assert dict(query(catalog_url, "SELECT step, expected_ranks FROM checkpoints")) == {100: 2, 200: 4}
+    assert query(catalog_url, "SELECT count(*) FROM strategy_files")[0][0] == 2

@@ -17,6 +17,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -46,7 +47,9 @@ class Run(Base):
 
 class StrategyFile(Base):
     __tablename__ = "strategy_files"
-    __table_args__ = (UniqueConstraint("run_id", "path"),)
+    # one row per content seen at a path: a job restarted on a new layout overwrites its strategy
+    # file, and the steps saved under the old layout must keep the layout they were saved with
+    __table_args__ = (UniqueConstraint("run_id", "path", "content_hash"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     path: Mapped[str] = mapped_column(Text)
@@ -55,6 +58,7 @@ class StrategyFile(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     stages: Mapped[int] = mapped_column(Integer, default=1)
     error: Mapped[str | None] = mapped_column(Text)  # set when the file does not parse
+    content: Mapped[bytes | None] = mapped_column(LargeBinary)  # the file as seen (strategy files are small)
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -187,7 +187,11 @@ def _shard_failures(session: Session, ckpt_id: int) -> str:
     return text + (f"; and {len(bad) - 3} more ranks" if len(bad) > 3 else "")
 
 
-def upsert_strategy(session: Session, run: Run, path: str, content_hash: str, fmt: str, world: int, stages: int, error: str | None) -> StrategyFile:
+def upsert_strategy(
+    session: Session, run: Run, path: str, content_hash: str, fmt: str, world: int, stages: int, error: str | None,
+    content: bytes | None = None,
+) -> StrategyFile:
+    """The row for this (path, content); a changed file gets a new row, old steps keep theirs."""
     _insert_ignore(
         session,
         StrategyFile,
@@ -199,14 +203,13 @@ def upsert_strategy(session: Session, run: Run, path: str, content_hash: str, fm
             "world_size": world,
             "stages": stages,
             "error": error,
+            "content": content,
             "seen_at": datetime.now(timezone.utc),
         },
-        ["run_id", "path"],
+        ["run_id", "path", "content_hash"],
     )
-    row = session.execute(_lock(select(StrategyFile).where(StrategyFile.run_id == run.id, StrategyFile.path == path), session)).scalar_one()
-    if row.content_hash != content_hash:
-        row.content_hash, row.format, row.world_size, row.stages, row.error = content_hash, fmt, world, stages, error
-    return row
+    return session.execute(select(StrategyFile).where(
+        StrategyFile.run_id == run.id, StrategyFile.path == path, StrategyFile.content_hash == content_hash)).scalar_one()
 
 
 def latest_restorable(session: Session, run_id: int, *, max_step: int | None = None) -> Checkpoint | None:

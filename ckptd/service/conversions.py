@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Shard, StrategyFile
 from ckptd.errors import CkptdError
-from ckptd.format.strategy import Strategy, load_strategy, save_strategy
+from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes, save_strategy
 from ckptd.service.catalog import InvalidRequestError, _iso, get_run, get_step
 from ckptd.service.verifier import file_digest, stat_of
 from ckptd.states import ShardState, StepState
@@ -76,10 +76,11 @@ def convert_step(
         ckpt, files, strat_row = check_source(s, run_name, step)
         if strat_row is None:
             raise InvalidRequestError(f"step {step} has no strategy file in the catalog", hint="convert with --src-strategy")
-        src_id, src_path, src_hash = ckpt.id, strat_row.path, strat_row.content_hash
+        src_id, src_path, src_hash, src_content = ckpt.id, strat_row.path, strat_row.content_hash, strat_row.content
         ckpt.lease_until = datetime.now(timezone.utc) + CONVERT_LEASE
         meta = (ckpt.run_id, ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.global_step)
-    src_strategy = load_strategy(src_path)
+    # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
+    src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
     target = resolve_target(src_strategy, to_strategy, to_layout)
     target_hash = target.content_hash() if target is not None else "none"
     out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
@@ -120,8 +121,10 @@ def _register(sessions, meta, src_id, target, target_hash, strategy_path, report
         strat_id = None
         if strategy_path is not None:
             run = s.get(repo.Run, run_id)
+            with open(strategy_path, "rb") as fh:
+                content = fh.read()
             strat_id = repo.upsert_strategy(s, run, strategy_path, target_hash, target.format, target.world_size,
-                                            target.stages, None).id
+                                            target.stages, None, content).id
         ckpt = Checkpoint(run_id=run_id, prefix=prefix, epoch=epoch, step=step, kind="converted", layout=target_hash,
                           global_step=global_step, state=StepState.VERIFIED.value,
                           expected_ranks=target.world_size if target is not None else 1, strategy_id=strat_id, step_checks_ok=True,

@@ -22,7 +22,7 @@ from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
-from ckptd.format.strategy import load_strategy
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
 from ckptd.settings import Settings
 from ckptd.states import ShardState, StepState
 
@@ -224,16 +224,20 @@ class Ingestor:
 
     def _ingest_strategy(self, run_name: str, path: str) -> str:
         try:
-            strategy = load_strategy(path)
+            with open(path, "rb") as fh:
+                content = fh.read(MAX_STRATEGY_BYTES + 1)
+        except OSError:
+            return "ignored"
+        try:
+            strategy = parse_strategy_bytes(content, path)
             digest, fmt, world, stages, error = strategy.content_hash(), strategy.format, strategy.world_size, strategy.stages, None
         except CkptdError as err:
             digest, fmt, world, stages, error = "invalid", "unknown", 0, 0, str(err)
+            content = None
             log.warning("strategy file %s does not parse: %s", path, err)
-        except FileNotFoundError:
-            return "ignored"
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
-            repo.upsert_strategy(s, run, path, digest, fmt, world, stages, error)
+            repo.upsert_strategy(s, run, path, digest, fmt, world, stages, error, content)
             if error is None:
                 run.world_size = world
         return "same"

@@ -23,7 +23,7 @@ from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.source import MmapSource
-from ckptd.format.strategy import Strategy, load_strategy
+from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
 from ckptd.format.verify import verify_file
 from ckptd.service.stepcheck import ShardRef, check_step, content_step
 from ckptd.runlayout import sidecar_for
@@ -216,8 +216,9 @@ class Verifier:
             return None
         key = (row.path, row.content_hash)
         if key not in self._strategies:
-            try:
-                self._strategies[key] = load_strategy(row.path)
+            try:  # the content as catalogued: the file on disk may describe a newer layout by now
+                self._strategies[key] = (parse_strategy_bytes(row.content, row.path) if row.content is not None
+                                         else load_strategy(row.path))
             except CkptdError:
                 return None
         return self._strategies[key]

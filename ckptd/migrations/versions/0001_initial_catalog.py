@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 00:30:19.040867
+Create Date: 2026-11-30 01:00:54.279766
 """
 
 from alembic import op
@@ -64,10 +64,11 @@ def upgrade() -> None:
     sa.Column('world_size', sa.Integer(), nullable=False),
     sa.Column('stages', sa.Integer(), nullable=False),
     sa.Column('error', sa.Text(), nullable=True),
+    sa.Column('content', sa.LargeBinary(), nullable=True),
     sa.Column('seen_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], ),
     sa.PrimaryKeyConstraint('id'),
-    sa.UniqueConstraint('run_id', 'path')
+    sa.UniqueConstraint('run_id', 'path', 'content_hash')
     )
     with op.batch_alter_table('strategy_files', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_strategy_files_content_hash'), ['content_hash'], unique=False)
