@@ -19,9 +19,9 @@ def fill(engine: Engine, *, runs: int, steps: int, ranks: int) -> int:
         series = "generate_series(1, :n)" if pg else "(WITH RECURSIVE g(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM g WHERE x < :n) SELECT x FROM g)"
         col = "x"
         c.execute(text(f"""
-            INSERT INTO checkpoints (run_id, prefix, epoch, step, kind, global_step, state, expected_ranks,
+            INSERT INTO checkpoints (run_id, prefix, epoch, step, kind, layout, global_step, state, expected_ranks,
                                      step_checks_ok, pinned, marked_bad, created_at, updated_at)
-            SELECT runs.id, 'llama', 1, s.{col} * 100, 'trained', s.{col} * 100,
+            SELECT runs.id, 'llama', 1, s.{col} * 100, 'trained', '', s.{col} * 100,
                    CASE WHEN s.{col} = :n THEN 'pending' WHEN s.{col} = :n - 1 THEN 'corrupt' ELSE 'verified' END,
                    :ranks, CASE WHEN s.{col} < :n - 1 THEN {'true' if pg else '1'} END,
                    {'false' if pg else '0'}, {'false' if pg else '0'}, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP

@@ -261,3 +261,22 @@ def test_resume_answer_matches_its_documented_schema(ms, root, server):
     server.settle()
     doc = server.client("r-token").get("/v1/runs/run1/resume", params={"world_size": 4}).json()
     assert ResumeAnswer.model_validate(doc).model_dump(mode="json") == doc  # the fast path skips validation
+
+
+def test_cached_resume_answers_follow_every_catalog_change(ms, root, server):
+    _job(ms, root, steps=(100, 200))
+    server.settle()
+    reader, admin, reporter = server.client("r-token"), server.client("a-token"), server.client("p-token")
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 200
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 200  # served from the cache
+    admin.post("/v1/runs/run1/steps/200/mark-bad", json={"reason": "x"})
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 100
+    admin.post("/v1/runs/run1/steps/200/unmark-bad")
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 200
+    reporter.post("/v1/runs/run1/health", content=b'{"step": 150, "loss": Infinity}', headers={"content-type": "application/json"})
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 100
+    (root / "run1" / "rank_1" / "net-1_100.ckpt").unlink()  # rotation removes the only healthy step
+    server.settle()
+    r = reader.get("/v1/runs/run1/resume")
+    assert r.status_code == 404 and r.json()["detail"]["code"] == "no_restorable_step"
+    assert server.app.state.resume_cache.hits >= 1

@@ -13,6 +13,7 @@ from ckptd import __version__
 from ckptd.api import errors, routes_conversions, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
 from ckptd.service.jobs import JobRunner
+from ckptd.service.resume import ResumeCache
 from ckptd.settings import Settings
 
 
@@ -39,6 +40,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.tokens = settings.all_tokens()
+    app.state.resume_cache = ResumeCache()
     errors.install(app)
     app.include_router(routes_runs.router)
     app.include_router(routes_resume.router)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
@@ -151,3 +151,64 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int) -> dict[str,
         "existing": existing,
         "hint": None if existing else "run `ckptd convert --run R --step S --to-strategy NEW --out DIR` first",
     }
+
+
+class ResumeCache:
+    """Pre-serialized resume answers, reused while the run's catalog rows are unchanged.
+
+    A restart storm is hundreds of launchers asking the same question. The cache key includes a
+    *generation* read with one indexed aggregate per request — newest ``updated_at`` and row count
+    of the run's checkpoints (every state change, mark, pin, lease and new converted copy moves
+    it) and the first non-finite loss — so a cached answer is never served after anything that
+    could change it. Entries also expire after ``ttl`` seconds, which keeps leases renewed.
+    Answers that depend on the whole loss history (``skip_spikes``) are never cached.
+    """
+
+    def __init__(self, ttl: float = 300.0, max_entries: int = 4096) -> None:
+        import threading
+
+        self.ttl, self.max_entries = ttl, max_entries
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, tuple[tuple, float, bytes]] = {}
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def generation(s: Session, run_name: str) -> tuple | None:
+        from ckptd.catalog.models import Run
+
+        row = s.execute(
+            select(Run.id, func.max(Checkpoint.updated_at), func.count(Checkpoint.id))
+            .join(Checkpoint, Checkpoint.run_id == Run.id, isouter=True)
+            .where(Run.name == run_name)
+            .group_by(Run.id)
+        ).first()
+        if row is None:
+            return None
+        nonfinite = s.execute(
+            select(func.min(StepHealth.step)).where(StepHealth.run_id == row[0], StepHealth.loss_nonfinite.is_not(None))
+        ).scalar()
+        return (row[0], str(row[1]), row[2], nonfinite)
+
+    def answer(self, s: Session, run_name: str, opts: ResumeOptions) -> bytes:
+        import json
+        import time
+
+        if opts.skip_spikes:
+            return json.dumps(resume(s, run_name, opts)).encode()
+        gen = self.generation(s, run_name)
+        key = (run_name, opts)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and gen is not None and hit[0] == gen and now - hit[1] < self.ttl:
+                self.hits += 1
+                return hit[2]
+        body = json.dumps(resume(s, run_name, opts)).encode()  # raises (uncached) when nothing is restorable
+        s.flush()
+        gen_after = self.generation(s, run_name)  # a lease renewal just moved the generation
+        with self._lock:
+            self.misses += 1
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            self._entries[key] = (gen_after, now, body)
+        return body
