@@ -113,25 +113,39 @@ class Restored:
 
 
 def load_shard(path: str, topo: Topology, targets: dict[str, object], dec_key: bytes | None) -> Restored:
-    """Load this rank's shard into ``targets`` (name -> Parameter), bit-exactly; check it is ours."""
+    """Load this rank's shard into ``targets`` (name -> Parameter), bit-exactly; check it is ours.
+
+    A shard saved under another tp/dp is accepted only as a re-sharded copy made for this job
+    (ckptd's converter): its ``rank_id`` is this rank and every tensor has exactly this job's shape.
+    The converter copies the other metadata (tp, dp, step, data position) from a source rank, so
+    tp/dp then name the layout the step was trained with, not this one.
+    """
     import mindspore as ms
 
     kwargs = {"dec_key": dec_key} if dec_key else {}
     loaded = ms.load_checkpoint(path, **kwargs)
     rank_id = int(loaded["rank_id"].asnumpy())
-    if rank_id != topo.rank or int(loaded["tp"].asnumpy()) != topo.tp or int(loaded["dp"].asnumpy()) != topo.dp:
-        raise RuntimeError(f"{path} belongs to rank {rank_id} (tp={loaded['tp']}, dp={loaded['dp']}), "
+    saved_tp, saved_dp = int(loaded["tp"].asnumpy()), int(loaded["dp"].asnumpy())
+    if rank_id != topo.rank:
+        raise RuntimeError(f"{path} belongs to rank {rank_id} (tp={saved_tp}, dp={saved_dp}), "
                            f"not to rank {topo.rank} of tp={topo.tp} dp={topo.dp}")
     meta = {"step_num", "epoch_num", "rank_id", "tp", "dp", *STATE_KEYS}
     missing = [n for n in targets if n not in loaded]
     extra = [n for n in loaded if n not in targets and n not in meta]
     if missing or extra:
         raise RuntimeError(f"{path} does not match this model: missing {missing[:3]}, unexpected {extra[:3]}")
+    # every shape first: a wrong shard must not leave the model half-overwritten
     for name, param in targets.items():
-        src = loaded[name].asnumpy()
-        if tuple(src.shape) != tuple(param.shape):
-            raise RuntimeError(f"{path}: {name} has shape {src.shape}, expected {tuple(param.shape)}")
-        param.set_data(ms.Tensor(src.copy()))
+        shape = tuple(loaded[name].shape)
+        if shape != tuple(param.shape):
+            why = (f" (a shard saved at tp={saved_tp},dp={saved_dp} that was not re-sharded for tp={topo.tp},"
+                   f"dp={topo.dp})" if (saved_tp, saved_dp) != (topo.tp, topo.dp) else "")
+            raise RuntimeError(f"{path}: {name} has shape {shape}, expected {tuple(param.shape)}{why}")
+    if (saved_tp, saved_dp) != (topo.tp, topo.dp):
+        print(f"[trainer rank {topo.rank}] resuming a re-sharded checkpoint saved at tp={saved_tp},dp={saved_dp} "
+              f"(this job: tp={topo.tp},dp={topo.dp}): {path}", flush=True)
+    for name, param in targets.items():
+        param.set_data(ms.Tensor(loaded[name].asnumpy().copy()))
     return Restored(
         step=int(loaded["step_num"].asnumpy()),
         epoch=int(loaded["epoch_num"].asnumpy()),

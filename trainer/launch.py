@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass
 
 from trainer.health import exit_path, heartbeat_path
-from trainer.oracle import OracleError, ResumeAnswer, ask_command, ask_http, wait_for_verdicts
+from trainer.oracle import (ConversionError, OracleError, ResumeAnswer, ask_command, ask_http, converted_answer,
+                            request_conversion, wait_for_job, wait_for_verdicts)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(REPO_ROOT, "trainer", "train.py")
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
+    p.add_argument("--convert-timeout", type=float, default=300.0,
+                   help="elastic restart: wait at most this long for ckptd to re-shard a checkpoint for this layout")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--backoff", type=float, default=1.0, help="first restart delay (s); doubles each restart")
     p.add_argument("--backoff-max", type=float, default=30.0)
@@ -241,12 +244,54 @@ class Job:
 
 def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
     if args.resume_cmd:
-        return ask_command(args.resume_cmd, world)
+        answer = ask_command(args.resume_cmd, world)
+        if answer.saved_world is not None:
+            return elastic(args, world, attempt, log, answer)  # gives up: only ckptd converts
+        return answer
     if args.ckptd_url:
         if args.settle_timeout > 0:
             settle(args, world, attempt, log)
-        return ask_http(args.ckptd_url, args.run_name, world)
+        answer = ask_http(args.ckptd_url, args.run_name, world)
+        if answer.saved_world is not None:
+            return elastic(args, world, attempt, log, answer)
+        return answer
     return ResumeAnswer(None, None, "no oracle configured")
+
+
+def elastic(args, world: int, attempt: int, log: Log, first: ResumeAnswer) -> ResumeAnswer:
+    """The newest restorable step was saved with another world size: resume from ckptd's re-sharded copy.
+
+    Ask again naming this job's world size; use the converted copy ckptd already has, or have ckptd
+    make one (``tp=<tp>,dp=<dp>``, admin token), wait for that job (bounded) and ask once more. Any
+    failure raises ConversionError: the launcher gives up rather than silently start fresh.
+    """
+    if args.resume_cmd or not args.ckptd_url:
+        raise ConversionError(f"step {first.step} was saved with world size {first.saved_world}, the job has "
+                              f"{world}, and only ckptd can convert it")
+    answer = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
+    if answer.saved_world is None:
+        return answer  # meanwhile a step saved with this job's world size became the newest
+    ready = converted_answer(answer, world)
+    if ready is not None:
+        log(attempt=attempt, event="convert_existing", step=answer.step, from_world=answer.saved_world,
+            to_world=world, reason="ckptd already has this step re-sharded for the job's world size")
+        return ready
+    step, saved = answer.step, answer.saved_world
+    log(attempt=attempt, event="convert_requested", step=step, from_world=saved, to_world=world,
+        layout=f"tp={args.tp},dp={args.dp}", reason=f"newest restorable step was saved with world size {saved}")
+    t0 = time.monotonic()
+    job_id = request_conversion(args.ckptd_url, args.run_name, step, args.tp, args.dp)
+    wait_for_job(args.ckptd_url, job_id, args.convert_timeout)
+    again = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
+    if again.saved_world is None and again.step is not None:
+        return again  # meanwhile a step saved with this job's world size became the newest
+    ready = converted_answer(again, world) if again.step == step and again.saved_world == saved else None
+    if ready is None:
+        raise ConversionError(f"conversion job {job_id} of step {step} finished but ckptd's resume answer "
+                              f"(step {again.step}, world size {again.saved_world or world}) has no converted copy")
+    log(attempt=attempt, event="convert_done", step=step, from_world=saved, to_world=world, job=job_id,
+        waited=f"{time.monotonic() - t0:.1f}s")
+    return ready
 
 
 def settle(args, world: int, attempt: int, log: Log) -> None:
@@ -275,6 +320,10 @@ def run(args) -> int:
         if attempt > 0 or not args.fresh:
             try:
                 answer = ask_oracle(args, world, attempt, log)
+            except ConversionError as err:
+                log(attempt=attempt, event="convert_failed", to_world=world,
+                    reason=f"giving up (no fresh start over a checkpoint in another layout): {err}")
+                return 2
             except OracleError as err:
                 log(attempt=attempt, event="oracle_error", reason=str(err))
                 return 2
@@ -283,8 +332,12 @@ def run(args) -> int:
                 os.makedirs(os.path.dirname(resume_file), exist_ok=True)
                 with open(resume_file, "w") as fh:
                     json.dump(answer.body, fh)
-            log(attempt=attempt, event="resume" if answer.step is not None else "fresh_start",
-                step=answer.step if answer.step is not None else 0, reason=answer.why)
+            if answer.saved_world is not None:  # a converted copy: say both world sizes
+                log(attempt=attempt, event="resume", step=answer.step, from_world=answer.saved_world,
+                    to_world=world, reason=answer.why)
+            else:
+                log(attempt=attempt, event="resume" if answer.step is not None else "fresh_start",
+                    step=answer.step if answer.step is not None else 0, reason=answer.why)
         job = Job(args, attempt, hb_dir, resume_file, log)
         log(attempt=attempt, event="started", world=world, tp=args.tp, dp=args.dp, msrun_pid=job.proc.pid,
             logs=job.log_dir)

@@ -24,6 +24,11 @@ class ResumeAnswer:
     step: int | None  # None: nothing restorable -> fresh start
     body: dict | None
     why: str
+    #: the world size the answered checkpoint was saved with, when it differs from the job's (elastic
+    #: restart: the shards are not the job's and must not be used as they are); None otherwise
+    saved_world: int | None = None
+    #: ckptd's ``conversion`` block when the question named a world size (``?world_size=W``)
+    conversion: dict | None = None
 
 
 class OracleError(RuntimeError):
@@ -46,23 +51,35 @@ def _interpret(body: object, world: int, source: str) -> ResumeAnswer:
     try:
         step = int(body["step"])
         ranks = sorted(int(s["rank"]) for s in body["shards"])
+        saved = body.get("world_size")
+        saved = int(saved) if saved is not None else None
     except (KeyError, TypeError, ValueError) as err:
         raise OracleError(f"{source}: malformed answer ({err!r})") from None
+    conversion = body.get("conversion") if isinstance(body.get("conversion"), dict) else None
+    if saved is not None and saved != world:
+        # saved under another layout: the caller decides (convert / use a converted copy), never these shards
+        if ranks != list(range(saved)):
+            raise OracleError(f"{source}: answer for step {step} covers ranks {ranks}, it says world size {saved}")
+        return ResumeAnswer(step, body, f"{source}: newest restorable step {step} was saved with world size "
+                                         f"{saved}, the job has {world}", saved, conversion)
     if ranks != list(range(world)):
         raise OracleError(f"{source}: answer for step {step} covers ranks {ranks}, the job has {world}")
     skipped = body.get("skipped") or []
     why = f"{source}: newest restorable step {step}"
     if skipped:
         why += "; skipped " + _skipped_text(skipped)
-    return ResumeAnswer(step, body, why)
+    return ResumeAnswer(step, body, why, None, conversion)
 
 
 def _skipped_text(skipped: list) -> str:
     return ", ".join(f"{s.get('step')} ({s.get('reason')})" for s in skipped[:3] if isinstance(s, dict))
 
 
-def ask_http(url: str, run: str, world: int, timeout: float = 10.0) -> ResumeAnswer:
-    req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume", method="GET")
+def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None) -> ResumeAnswer:
+    """``world_size``: name the job's world size in the question (ckptd then says whether a conversion
+    is needed and where a ready converted copy is)."""
+    query = f"?world_size={int(world_size)}" if world_size is not None else ""
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume{query}", method="GET")
     token = os.environ.get("CKPTD_TOKEN")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -183,3 +200,81 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
         if settled or waited >= timeout:
             return Settled(settled, waited, states)
         time.sleep(poll)
+
+
+# --- elastic restart: asking ckptd to re-shard a step for the job's layout ------------------------
+
+
+class ConversionError(OracleError):
+    """ckptd could not give the job a checkpoint in its layout (the launcher gives up, never starts fresh)."""
+
+
+def _admin_token() -> str | None:
+    return os.environ.get("CKPTD_ADMIN_TOKEN") or os.environ.get("CKPTD_TOKEN")
+
+
+def _call(url: str, method: str, body: dict | None, timeout: float) -> object:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    token = _admin_token()
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        try:
+            detail = json.loads(err.read()).get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        msg = detail.get("message") if isinstance(detail, dict) else detail
+        raise ConversionError(f"ckptd answered HTTP {err.code} to {method} {url}: {msg or err.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        raise ConversionError(f"ckptd unreachable ({method} {url}): {err}") from None
+
+
+def request_conversion(url: str, run: str, step: int, tp: int, dp: int, timeout: float = 30.0) -> int:
+    """``POST /v1/runs/{run}/conversions`` (admin scope): returns the background job's id."""
+    doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST",
+                {"step": int(step), "to_layout": f"tp={int(tp)},dp={int(dp)}"}, timeout)
+    try:
+        return int(doc["id"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        raise ConversionError(f"ckptd's conversion answer has no job id: {str(doc)[:200]}") from None
+
+
+def wait_for_job(url: str, job_id: int, timeout: float, poll: float = 0.5) -> dict:
+    """Poll ``GET /v1/jobs/{id}`` until done (returns the job) -- failed or still running after
+    ``timeout`` seconds raises ConversionError."""
+    t0 = time.monotonic()
+    while True:
+        job = _call(f"{url.rstrip('/')}/v1/jobs/{int(job_id)}", "GET", None, 10.0)
+        state = job.get("state") if isinstance(job, dict) else None
+        if state == "done":
+            return job  # type: ignore[return-value]
+        if state == "failed":
+            why = job.get("error") or job.get("result") or "no reason given"  # type: ignore[union-attr]
+            raise ConversionError(f"conversion job {job_id} failed: {str(why)[:300]}")
+        if time.monotonic() - t0 >= timeout:
+            raise ConversionError(f"conversion job {job_id} still {state} after {timeout:.0f}s")
+        time.sleep(poll)
+
+
+def converted_answer(answer: ResumeAnswer, world: int) -> ResumeAnswer | None:
+    """The resume answer pointing at ckptd's ready converted copy (``conversion.existing``), or None."""
+    existing = (answer.conversion or {}).get("existing")
+    if not isinstance(existing, dict) or answer.body is None or answer.step is None:
+        return None
+    body = dict(answer.body, shards=existing.get("shards"), strategy_file=existing.get("strategy_file"),
+                world_size=world, converted_from_world_size=answer.saved_world)
+    try:
+        ranks = sorted(int(s["rank"]) for s in body["shards"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConversionError(f"ckptd's converted copy is malformed ({err!r})") from None
+    if ranks != list(range(world)):
+        raise ConversionError(f"ckptd's converted copy of step {answer.step} covers ranks {ranks}, the job has {world}")
+    return ResumeAnswer(answer.step, body, f"ckptd: converted copy of step {answer.step} "
+                                           f"(world size {answer.saved_world} -> {world})", answer.saved_world,
+                        answer.conversion)

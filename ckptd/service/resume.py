@@ -143,13 +143,15 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int) -> dict[str,
         copy = copies[0]
         paths = s.execute(select(Shard.rank, Shard.path).where(Shard.checkpoint_id == copy.id).order_by(Shard.rank)).all()
         strat = s.get(StrategyFile, copy.strategy_id) if copy.strategy_id else None
-        existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": strat.path if strat else None}
+        existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": strat.path if strat else None,
+                    "strategy_hash": copy.layout}
     return {
         "needed": True,
         "from_world_size": ckpt.expected_ranks,
         "to_world_size": world_size,
         "existing": existing,
-        "hint": None if existing else "run `ckptd convert --run R --step S --to-strategy NEW --out DIR` first",
+        "hint": None if existing else ("POST /v1/runs/{run}/conversions {\"step\": S, \"to_layout\": \"tp=..,dp=..\"} "
+                                        "or `ckptd convert --run R --step S --to-layout tp=..,dp=..`"),
     }
 
 
