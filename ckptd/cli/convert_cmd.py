@@ -189,21 +189,10 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m ckptd.cli.convert_cmd convert ...``), same exit codes as ``ckptd``."""
-    parser = argparse.ArgumentParser(prog="ckptd")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help()
-        return EXIT_USAGE
-    try:
-        return int(args.handler(args))
-    except CkptdError as err:
-        print(f"ckptd: error: {err}", file=sys.stderr)
-        return EXIT_USAGE if err.code == "usage" else EXIT_INVALID
-    except KeyboardInterrupt:
-        print("ckptd: interrupted", file=sys.stderr)
-        return 130
+    """``python -m ckptd.cli.convert_cmd convert ...`` = ``ckptd convert ...`` (same exit codes)."""
+    from ckptd.cli import main as ckptd_main
+
+    return ckptd_main(argv)
 
 
 if __name__ == "__main__":
