@@ -158,11 +158,11 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int) -> dict[str,
 class ResumeCache:
     """Pre-serialized resume answers, reused while the run's catalog rows are unchanged.
 
-    A restart storm is hundreds of launchers asking the same question. The cache key includes a
-    *generation* read with one indexed aggregate per request — newest ``updated_at`` and row count
-    of the run's checkpoints (every state change, mark, pin, lease and new converted copy moves
-    it) and the first non-finite loss — so a cached answer is never served after anything that
-    could change it. Entries also expire after ``ttl`` seconds, which keeps leases renewed.
+    A restart storm is hundreds of launchers asking the same question. Each request reads a
+    *generation* — a fingerprint of the run's checkpoint rows (states, marks, steps, strategies,
+    converted copies) and the first non-finite loss — and reuses the cached bytes only if it is
+    unchanged, so a cached answer is never served after anything that could change it. Entries
+    also expire after ``ttl`` seconds, which keeps leases renewed.
     Answers that depend on the whole loss history (``skip_spikes``) are never cached.
     """
 
@@ -176,20 +176,28 @@ class ResumeCache:
 
     @staticmethod
     def generation(s: Session, run_name: str) -> tuple | None:
+        """A fingerprint of everything the answer depends on, read in one pass.
+
+        Content, not timestamps: ``updated_at`` values are taken in Python before commit, so a max
+        over them can miss a change committed "earlier" by another thread. Leases are left out
+        (they do not change the answer).
+        """
         from ckptd.catalog.models import Run
 
-        row = s.execute(
-            select(Run.id, func.max(Checkpoint.updated_at), func.count(Checkpoint.id))
-            .join(Checkpoint, Checkpoint.run_id == Run.id, isouter=True)
-            .where(Run.name == run_name)
-            .group_by(Run.id)
-        ).first()
-        if row is None:
+        run_id = s.execute(select(Run.id).where(Run.name == run_name)).scalar()
+        if run_id is None:
             return None
+        rows = s.execute(
+            select(Checkpoint.id, Checkpoint.state, Checkpoint.marked_bad, Checkpoint.step, Checkpoint.global_step,
+                   Checkpoint.strategy_id, Checkpoint.expected_ranks, Checkpoint.kind, Checkpoint.derived_from_id,
+                   Checkpoint.reason)
+            .where(Checkpoint.run_id == run_id)
+            .order_by(Checkpoint.id)
+        ).all()
         nonfinite = s.execute(
-            select(func.min(StepHealth.step)).where(StepHealth.run_id == row[0], StepHealth.loss_nonfinite.is_not(None))
+            select(func.min(StepHealth.step)).where(StepHealth.run_id == run_id, StepHealth.loss_nonfinite.is_not(None))
         ).scalar()
-        return (row[0], str(row[1]), row[2], nonfinite)
+        return (run_id, hash(tuple(tuple(r) for r in rows)), len(rows), nonfinite)
 
     def answer(self, s: Session, run_name: str, opts: ResumeOptions) -> bytes:
         import json
@@ -206,11 +214,9 @@ class ResumeCache:
                 self.hits += 1
                 return hit[2]
         body = json.dumps(resume(s, run_name, opts)).encode()  # raises (uncached) when nothing is restorable
-        s.flush()
-        gen_after = self.generation(s, run_name)  # a lease renewal just moved the generation
         with self._lock:
             self.misses += 1
             if len(self._entries) >= self.max_entries:
                 self._entries.clear()
-            self._entries[key] = (gen_after, now, body)
+            self._entries[key] = (gen, now, body)  # the generation read *before* computing: never newer than the body
         return body
