@@ -280,3 +280,21 @@ def test_cached_resume_answers_follow_every_catalog_change(ms, root, server):
     r = reader.get("/v1/runs/run1/resume")
     assert r.status_code == 404 and r.json()["detail"]["code"] == "no_restorable_step"
     assert server.app.state.resume_cache.hits >= 1
+
+
+def test_cached_answer_never_survives_a_change_with_an_older_timestamp(ms, root, server):
+    # updated_at is stamped in Python before commit; a change can land with an older stamp than
+    # one already seen (the demo hit this). The cache must key on content, not on timestamps.
+    from sqlalchemy import create_engine, text
+
+    _job(ms, root, steps=(100, 200))
+    server.settle()
+    reader = server.client("r-token")
+    assert reader.get("/v1/runs/run1/resume").json()["step"] == 200
+    engine = create_engine(server.app.state.settings.db.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE checkpoints SET state = 'corrupt', reason = 'late', updated_at = :old WHERE step = 200"),
+                     {"old": "2000-01-01 00:00:00"})
+    engine.dispose()
+    doc = reader.get("/v1/runs/run1/resume").json()
+    assert doc["step"] == 100 and doc["skipped"] == [{"step": 200, "reason": "corrupt: late"}]
