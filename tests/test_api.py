@@ -76,6 +76,7 @@ def test_resume_falls_back_past_corrupt_incomplete_unhealthy_and_bad(ms, root, s
     admin, reporter = server.client("a-token"), server.client("p-token")
     # bit rot keeps size (and maybe mtime): an on-demand re-verification finds it by digest and CRC
     _wait_job(server, admin.post("/v1/runs/run1/verify", json={"step": 500}).json()["id"])
+    server.settle()  # the watcher may have started its own (newer) verification of the same file
     # step 400: training diverged there (NaN loss reported by the trainer)
     assert reporter.post("/v1/runs/run1/health", json={"step": 350, "loss": 2.5}).status_code == 204
     assert reporter.post("/v1/runs/run1/health", content=b'{"step": 390, "loss": NaN}',

@@ -117,6 +117,9 @@ class Shard(Base):
     error: Mapped[str | None] = mapped_column(Text)
     quarantined: Mapped[bool] = mapped_column(Boolean, default=False)
     verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # bumped when a verification starts (and when the file changes): only the newest-started
+    # verification may store its result, so a slow, older read never overwrites a newer verdict
+    verify_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="shards")
 

@@ -97,6 +97,7 @@ def register_shard(session: Session, ckpt: Checkpoint, rank: int, path: str, st:
             "state": ShardState.COMPLETE.value,
             "format": fmt,
             "quarantined": False,
+            "verify_seq": 0,
             "seen_at": now,
         },
         ["path"],
@@ -111,6 +112,7 @@ def register_shard(session: Session, ckpt: Checkpoint, rank: int, path: str, st:
             .where(Shard.id == shard.id)
             .values(
                 size=st.size, mtime_ns=st.mtime_ns, inode=st.inode, state=ShardState.COMPLETE.value, digest=None,
+                verify_seq=Shard.verify_seq + 1,  # verifications of the old file can no longer store
                 crc=None, encryption=None, global_step=None, error_code=None, error=None, quarantined=False,
                 verified_at=None, seen_at=now, checkpoint_id=ckpt.id, rank=rank,
             )
@@ -121,19 +123,30 @@ def register_shard(session: Session, ckpt: Checkpoint, rank: int, path: str, st:
     return shard, False
 
 
+def claim_verification(session: Session, shard_id: int) -> int:
+    """Start a verification: bump and return the shard's sequence number (see ``record_verification``)."""
+    session.execute(update(Shard).where(Shard.id == shard_id).values(verify_seq=Shard.verify_seq + 1))
+    return session.execute(select(Shard.verify_seq).where(Shard.id == shard_id)).scalar_one()
+
+
 def record_verification(
-    session: Session, shard_id: int, st: FileStat, *, state: ShardState, values: dict[str, Any], detail: str | None, seconds: float
+    session: Session, shard_id: int, st: FileStat, *, state: ShardState, values: dict[str, Any], detail: str | None,
+    seconds: float, seq: int | None = None,
 ) -> bool:
-    """Store a verification outcome iff the shard is still the file that was verified."""
+    """Store a verification outcome iff the shard is still the file that was verified and no
+    verification started after this one (``seq`` from ``claim_verification``)."""
+    cond = [
+        Shard.id == shard_id,
+        Shard.size == st.size,
+        Shard.mtime_ns == st.mtime_ns,
+        Shard.inode == st.inode,
+        Shard.state != ShardState.DELETED.value,
+    ]
+    if seq is not None:
+        cond.append(Shard.verify_seq == seq)
     res = session.execute(
         update(Shard)
-        .where(
-            Shard.id == shard_id,
-            Shard.size == st.size,
-            Shard.mtime_ns == st.mtime_ns,
-            Shard.inode == st.inode,
-            Shard.state != ShardState.DELETED.value,
-        )
+        .where(*cond)
         .values(state=state.value, verified_at=datetime.now(timezone.utc), quarantined=state == ShardState.CORRUPT, **values)
     )
     if res.rowcount:

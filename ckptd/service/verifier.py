@@ -149,6 +149,8 @@ class Verifier:
             if shard is None:
                 return ShardState.DELETED
             path, ckpt_id, known_digest = shard.path, shard.checkpoint_id, shard.digest
+        with self.sessions.begin() as s:
+            seq = repo.claim_verification(s, shard_id)
         before = stat_of(path)
         if before is None:
             with self.sessions.begin() as s:
@@ -174,7 +176,8 @@ class Verifier:
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             stored = repo.record_verification(
-                s, shard_id, before, state=state, values=values, detail=values.get("error"), seconds=time.perf_counter() - t0
+                s, shard_id, before, state=state, values=values, detail=values.get("error"), seconds=time.perf_counter() - t0,
+                seq=seq,
             )
             if stored:
                 repo.recompute_step_state(s, ckpt)

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 01:00:54.279766
+Create Date: 2026-11-30 01:33:31.655593
 """
 
 from alembic import op
@@ -140,6 +140,7 @@ def upgrade() -> None:
     sa.Column('error', sa.Text(), nullable=True),
     sa.Column('quarantined', sa.Boolean(), nullable=False),
     sa.Column('verified_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('verify_seq', sa.Integer(), server_default='0', nullable=False),
     sa.Column('seen_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id'], ),
     sa.PrimaryKeyConstraint('id'),
