@@ -8,7 +8,6 @@ lives in test_convert.py.
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 from pathlib import Path
 
