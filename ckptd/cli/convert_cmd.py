@@ -45,6 +45,7 @@ import os
 import sys
 from typing import Any
 
+from ckptd.cli.files import human_bytes as _human
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -76,15 +77,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON output")
     p.set_defaults(handler=run_convert)
     return p
-
-
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def _usage(message: str) -> CkptdError:

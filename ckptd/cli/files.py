@@ -48,7 +48,7 @@ def _key(args: argparse.Namespace) -> bytes | None:
     return crypto.load_key_file(args.key_file) if args.key_file else None
 
 
-def _fmt_bytes(n: int) -> str:
+def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
@@ -98,7 +98,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     crc = doc["crc"]
     crc_text = "absent" if not crc["present"] else {True: "valid", False: "INVALID", None: "present (not checked)"}[crc["valid"]]
     print(f"file:       {doc['path']}")
-    print(f"format:     {doc['format']}  size: {_fmt_bytes(doc['size'])}")
+    print(f"format:     {doc['format']}  size: {human_bytes(doc['size'])}")
     print(f"encryption: {doc['encryption'] or 'none'}")
     print(f"crc:        {crc_text}" + (f" ({crc['stored']:#010x})" if crc["present"] else ""))
     for k, v in doc["metadata"].items():
@@ -110,7 +110,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + ("  " + r[4] if r[4] else ""))
-    print(f"{len(doc['entries'])} entries, {_fmt_bytes(sum(e['bytes'] for e in doc['entries']))} of tensor data")
+    print(f"{len(doc['entries'])} entries, {human_bytes(sum(e['bytes'] for e in doc['entries']))} of tensor data")
     for p in doc["problems"]:
         print(f"PROBLEM: {p['message']} (hint: {p['hint']})")
     return 0 if not doc["problems"] and crc["valid"] is not False else 1
