@@ -646,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in args.backends.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    logging.getLogger("ckptd").setLevel(logging.WARNING)
+    logging.getLogger("ckptd").setLevel(logging.DEBUG if os.environ.get("CKPTD_BENCH_DEBUG") else logging.WARNING)
     if args.log:
         handler = logging.FileHandler(args.log)
         handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s"))

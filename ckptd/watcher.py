@@ -125,8 +125,8 @@ class Watcher:
                 if rescan:
                     self._safe(self._rescan)
                     next_rescan = time.monotonic() + self.rescan_interval
-                for path in batch:
-                    self._safe(lambda p=path: self._examine(p))
+                if batch:
+                    self._examine(batch)
             finally:
                 with self._cond:
                     self._busy = self._rescan_now
@@ -139,11 +139,26 @@ class Watcher:
             self.poke(path, self.settle_seconds)
         log.info("rescan: %d shards, %d new, %d deleted", report.shards_seen, report.shards_new, report.shards_deleted)
 
-    def _examine(self, path: str) -> None:
+    def _examine(self, paths: list[str]) -> None:
+        """One batch of due paths (a step's burst of renames lands in few batches). Should the
+        batch fail, each path is retried alone so one bad file cannot hold back the others."""
         if self._stop:
             return
-        if self.ingestor.examine(path) == "unsettled":
-            self.poke(path, self.settle_seconds)
+        t0 = time.perf_counter()
+        try:
+            outcomes = self.ingestor.examine_many(paths)
+            log.debug("examined %d paths in %.3f s", len(paths), time.perf_counter() - t0)
+        except Exception:
+            if len(paths) == 1:
+                log.exception("ingest of %s failed; will retry on the next rescan", paths[0])
+                return
+            log.warning("ingest of a batch of %d paths failed; retrying them one by one", len(paths), exc_info=True)
+            for path in paths:
+                self._examine([path])
+            return
+        for path, outcome in outcomes.items():
+            if outcome == "unsettled":
+                self.poke(path, self.settle_seconds)
 
     @staticmethod
     def _safe(fn) -> None:  # noqa: ANN001

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Select, distinct, func, select, update
+from sqlalchemy import Integer, Select, bindparam, distinct, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -80,61 +80,91 @@ class FileStat:
     inode: int
 
 
-def register_shard(session: Session, ckpt: Checkpoint, rank: int, path: str, st: FileStat, fmt: str) -> tuple[Shard, bool]:
-    """Insert the shard row if new. Returns (shard, changed): changed when the row is new or the
-    file on disk is not the one catalogued (replaced/rewritten) — then it must be re-verified."""
+@dataclass(frozen=True)
+class ShardFile:
+    """A settled shard file as ingest found it (one rank of one checkpoint)."""
+
+    rank: int
+    path: str
+    stat: FileStat
+    format: str
+
+
+@dataclass(frozen=True)
+class Registered:
+    shard_id: int
+    state: str
+    changed: bool  # new row, or the file on disk is not the one catalogued: it must be (re-)verified
+
+
+_ROWS_PER_SELECT = 500  # well under SQLite's bound-parameter limit
+
+
+def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) -> list[Registered]:
+    """Insert the rows of new shard files of one checkpoint (caller holds its lock) in multi-row
+    ``INSERT … ON CONFLICT DO NOTHING RETURNING`` statements; paths already catalogued are
+    compared with what is on disk. Returns one ``Registered`` per file, in order."""
     now = datetime.now(timezone.utc)
-    inserted = _insert_ignore(
-        session,
-        Shard,
+    dialect = session.get_bind().dialect.name
+    table = Shard.__table__
+    rows = [
         {
-            "checkpoint_id": ckpt.id,
-            "rank": rank,
-            "path": path,
-            "size": st.size,
-            "mtime_ns": st.mtime_ns,
-            "inode": st.inode,
-            "state": ShardState.COMPLETE.value,
-            "format": fmt,
-            "quarantined": False,
-            "verify_seq": 0,
-            "seen_at": now,
-        },
-        ["path"],
-    )
-    shard = session.execute(_lock(select(Shard).where(Shard.path == path), session)).scalar_one()
-    if inserted:
-        return shard, True
-    if (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode) or shard.state == ShardState.DELETED.value:
-        # the file was replaced or came back: everything we knew about it is void
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard.id)
-            .values(
-                size=st.size, mtime_ns=st.mtime_ns, inode=st.inode, state=ShardState.COMPLETE.value, digest=None,
-                verify_seq=Shard.verify_seq + 1,  # verifications of the old file can no longer store
-                crc=None, encryption=None, global_step=None, error_code=None, error=None, quarantined=False,
-                verified_at=None, seen_at=now, checkpoint_id=ckpt.id, rank=rank,
+            "checkpoint_id": ckpt.id, "rank": f.rank, "path": f.path, "size": f.stat.size, "mtime_ns": f.stat.mtime_ns,
+            "inode": f.stat.inode, "state": ShardState.COMPLETE.value, "format": f.format, "quarantined": False,
+            "verify_seq": 0, "seen_at": now,
+        }
+        for f in files
+    ]
+    mod = postgresql if dialect == "postgresql" else sqlite
+    stmt = mod.insert(table).on_conflict_do_nothing(index_elements=["path"]).returning(table.c.id, table.c.path)
+    # executemany + RETURNING: SQLAlchemy batches it into multi-row VALUES ("insertmanyvalues")
+    # from one cached compilation; a conflicting row (already catalogued) returns nothing
+    inserted = {path: sid for sid, path in session.connection().execute(stmt, rows)}
+    known = [f for f in files if f.path not in inserted]
+    existing: dict[str, Shard] = {}
+    for i in range(0, len(known), _ROWS_PER_SELECT):
+        paths = [f.path for f in known[i : i + _ROWS_PER_SELECT]]
+        q = _lock(select(Shard).where(Shard.path.in_(paths)).order_by(Shard.id), session)
+        existing.update({row.path: row for row in session.execute(q).scalars()})
+    out = []
+    for f in files:
+        if f.path in inserted:
+            out.append(Registered(inserted[f.path], ShardState.COMPLETE.value, True))
+            continue
+        shard = existing[f.path]
+        st = f.stat
+        if (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode) or shard.state == ShardState.DELETED.value:
+            # the file was replaced or came back: everything we knew about it is void
+            session.execute(
+                update(Shard)
+                .where(Shard.id == shard.id)
+                .values(
+                    size=st.size, mtime_ns=st.mtime_ns, inode=st.inode, state=ShardState.COMPLETE.value, digest=None,
+                    verify_seq=Shard.verify_seq + 1,  # verifications of the old file can no longer store
+                    crc=None, encryption=None, global_step=None, error_code=None, error=None, quarantined=False,
+                    verified_at=None, seen_at=now, checkpoint_id=ckpt.id, rank=f.rank,
+                )
             )
-        )
-        add_event(session, ckpt.id, shard.id, "rescan", "changed", "file size/mtime/inode changed on disk; re-verifying")
-        session.refresh(shard)
-        return shard, True
-    return shard, False
+            add_event(session, ckpt.id, shard.id, "rescan", "changed", "file size/mtime/inode changed on disk; re-verifying")
+            out.append(Registered(shard.id, ShardState.COMPLETE.value, True))
+        else:
+            out.append(Registered(shard.id, shard.state, False))
+    return out
 
 
-def claim_verification(session: Session, shard_id: int) -> int:
-    """Start a verification: bump and return the shard's sequence number (see ``record_verification``)."""
-    session.execute(update(Shard).where(Shard.id == shard_id).values(verify_seq=Shard.verify_seq + 1))
-    return session.execute(select(Shard.verify_seq).where(Shard.id == shard_id)).scalar_one()
+def claim_verifications(session: Session, shard_ids: list[int]) -> dict[int, int]:
+    """Start verifications: bump each shard's sequence number and return it (see
+    ``record_verification``). Callers claim the shards of one checkpoint under its lock."""
+    session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(verify_seq=Shard.verify_seq + 1))
+    return dict(session.execute(select(Shard.id, Shard.verify_seq).where(Shard.id.in_(shard_ids))).all())
 
 
 def record_verification(
     session: Session, shard_id: int, st: FileStat, *, state: ShardState, values: dict[str, Any], detail: str | None,
-    seconds: float, seq: int | None = None,
+    seconds: float, seq: int | None = None, ckpt_id: int | None = None,
 ) -> bool:
     """Store a verification outcome iff the shard is still the file that was verified and no
-    verification started after this one (``seq`` from ``claim_verification``)."""
+    verification started after this one (``seq`` from ``claim_verifications``)."""
     cond = [
         Shard.id == shard_id,
         Shard.size == st.size,
@@ -150,9 +180,66 @@ def record_verification(
         .values(state=state.value, verified_at=datetime.now(timezone.utc), quarantined=state == ShardState.CORRUPT, **values)
     )
     if res.rowcount:
-        ckpt_id = session.execute(select(Shard.checkpoint_id).where(Shard.id == shard_id)).scalar_one()
+        if ckpt_id is None:
+            ckpt_id = session.execute(select(Shard.checkpoint_id).where(Shard.id == shard_id)).scalar_one()
         add_event(session, ckpt_id, shard_id, "shard", state.value, detail, seconds)
     return bool(res.rowcount)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verification outcome to store (see ``record_verifications``)."""
+
+    shard_id: int
+    stat: FileStat  # the file as it was when read
+    state: ShardState
+    values: dict[str, Any]  # digest, format, encryption, crc, global_step, error_code, error
+    seq: int | None
+    seconds: float
+
+
+_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error")
+_t = Shard.__table__.c
+_STORE_VERDICT = (
+    update(Shard.__table__)
+    .where(
+        _t.id == bindparam("b_id"), _t.size == bindparam("b_size"), _t.mtime_ns == bindparam("b_mtime"),
+        _t.inode == bindparam("b_inode"), _t.state != ShardState.DELETED.value,
+        or_(bindparam("b_seq", type_=Integer) == None, _t.verify_seq == bindparam("b_seq", type_=Integer)),  # noqa: E711
+    )
+    .values(
+        state=bindparam("b_state"), verified_at=bindparam("b_at"), quarantined=bindparam("b_quarantined"),
+        **{c: bindparam(f"b_{c}") for c in _VERDICT_COLUMNS},
+    )
+)
+
+
+def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]) -> set[int]:
+    """Store verification outcomes of one checkpoint's shards (caller holds its lock); each is
+    written iff the shard is still the file that was verified and no verification started after
+    this one (``seq`` from ``claim_verifications``). Returns the ids whose verdict was stored.
+
+    Core statements on the session's connection: the ORM's per-statement bookkeeping (autoflush,
+    session synchronisation) cost 5 ms a shard, more than reading a small shard."""
+    conn = session.connection()
+    now = datetime.now(timezone.utc)
+    stored: set[int] = set()
+    for v in verdicts:
+        params = {
+            "b_id": v.shard_id, "b_size": v.stat.size, "b_mtime": v.stat.mtime_ns, "b_inode": v.stat.inode, "b_seq": v.seq,
+            "b_state": v.state.value, "b_at": now, "b_quarantined": v.state == ShardState.CORRUPT,
+            **{f"b_{c}": v.values.get(c) for c in _VERDICT_COLUMNS},
+        }
+        if conn.execute(_STORE_VERDICT, params).rowcount:
+            stored.add(v.shard_id)
+    events = [
+        {"checkpoint_id": ckpt_id, "shard_id": v.shard_id, "at": now, "kind": "shard", "outcome": v.state.value,
+         "detail": v.values.get("error"), "seconds": v.seconds}
+        for v in verdicts if v.shard_id in stored
+    ]
+    if events:
+        conn.execute(insert(VerificationEvent.__table__), events)
+    return stored
 
 
 def mark_deleted(session: Session, shard: Shard) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Literal
 
 from ckptd.errors import ChecksumMismatchError, CkptdError, CorruptError
@@ -42,6 +43,7 @@ class FileReport:
     entries: int = 0
     size: int = 0
     problems: list[Problem] = field(default_factory=list)
+    inspected: object = None  # what verify_file's ``inspect`` returned
 
     @property
     def ok(self) -> bool:
@@ -69,12 +71,15 @@ def verify_file(
     *,
     require_crc: bool = False,
     workers: int | None = None,
+    inspect: Callable[[CheckpointFile], object] | None = None,
 ) -> FileReport:
     """Check a file completely; never raises for bad file content (it becomes a problem).
 
     A ``.ckpt`` cut exactly at a record boundary is indistinguishable from a shorter complete
     file (the format has no header or count). ``require_crc`` closes that gap for jobs that save
     with ``crc_check=True``: a missing trailer is then a problem, not a shrug.
+    ``inspect`` runs on the open file once it checked out clean; its result is ``report.inspected``
+    (callers that need something from the content need not open the file again).
     """
     report = FileReport(path=os.fspath(path))
     try:
@@ -102,6 +107,11 @@ def verify_file(
                     hint="save with crc_check=True, or verify without --require-crc",
                 )
             )
+        if inspect is not None and report.ok:
+            try:
+                report.inspected = inspect(ckpt)
+            except CkptdError as err:
+                report.add(err)
     return report
 
 

@@ -27,6 +27,7 @@ from ckptd.settings import Settings
 from ckptd.states import ShardState, StepState
 
 log = logging.getLogger("ckptd.ingest")
+_BATCH = 512  # shard paths a rescan examines per batch
 
 
 @dataclass
@@ -42,13 +43,13 @@ class Ingestor:
         self,
         settings: Settings,
         sessions: sessionmaker[Session],
-        submit: Callable[[int], None],
+        submit: Callable[[list[int]], None],
         submit_step: Callable[[int], None],
     ) -> None:
         self.root = str(settings.root)
         self.settings = settings
         self.sessions = sessions
-        self.submit = submit  # a shard needs verification
+        self.submit = submit  # shards need verification
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
 
@@ -60,6 +61,7 @@ class Ingestor:
         of an unchanged tree costs a stat per file."""
         report = ScanReport()
         seen: set[str] = set()
+        todo: list[str] = []
         known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -73,19 +75,26 @@ class Ingestor:
                 with os.scandir(rank_path) as it:
                     for entry in it:
                         if should_stop():
-                            return report
+                            return report  # the catalog is unchanged by what was not examined
                         if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
                             report.shards_seen += 1
                             seen.add(entry.path)
-                            if self._unchanged(entry, known):
-                                continue
-                            outcome = self.examine(entry.path)
-                            if outcome == "new":
-                                report.shards_new += 1
-                            elif outcome == "unsettled":
-                                report.unsettled.append(entry.path)
+                            if not self._unchanged(entry, known):
+                                todo.append(entry.path)
+                            if len(todo) >= _BATCH:
+                                self._tally(self.examine_many(todo), report)
+                                todo = []
+        self._tally(self.examine_many(todo), report)
         report.shards_deleted = self._reconcile_deleted(seen)
         return report
+
+    @staticmethod
+    def _tally(outcomes: dict[str, str], report: ScanReport) -> None:
+        for path, outcome in outcomes.items():
+            if outcome == "new":
+                report.shards_new += 1
+            elif outcome == "unsettled":
+                report.unsettled.append(path)
 
     def _known_stats(self) -> dict[str, tuple[int, int, int]]:
         """(size, mtime_ns, inode) of every settled (verified/corrupt) shard under the root."""
@@ -109,14 +118,27 @@ class Ingestor:
 
     def examine(self, path: str) -> str:
         """Bring the catalog in line with one path. Returns new|changed|same|unsettled|deleted|ignored."""
-        kind = runlayout.classify(self.root, path)
-        if isinstance(kind, runlayout.StrategyName):
-            return self._ingest_strategy(kind.run, path)
-        if isinstance(kind, runlayout.ShardName):
-            return self._ingest_shard(kind, path)
-        if path.endswith(runlayout.SIDECAR_SUFFIX):
-            return self._sidecar(path[: -len(runlayout.SIDECAR_SUFFIX)])
-        return "ignored"
+        return self.examine_many([path]).get(path, "ignored")
+
+    def examine_many(self, paths: list[str]) -> dict[str, str]:
+        """``examine`` for many paths at once: shards of one checkpoint are registered in one
+        transaction (a 512-rank save is one burst of renames), so a step's ingest costs a
+        handful of statements instead of a dozen per shard."""
+        outcomes: dict[str, str] = {}
+        shards: dict[str, runlayout.ShardName] = {}
+        for path in dict.fromkeys(paths):  # de-duplicated, in order
+            kind = runlayout.classify(self.root, path)
+            if isinstance(kind, runlayout.ShardName):
+                shards[path] = kind
+            elif isinstance(kind, runlayout.StrategyName):
+                outcomes[path] = self._ingest_strategy(kind.run, path)
+            elif path.endswith(runlayout.SIDECAR_SUFFIX):
+                outcomes[path] = self._sidecar(path[: -len(runlayout.SIDECAR_SUFFIX)])
+            else:
+                outcomes[path] = "ignored"
+        if shards:
+            outcomes.update(self._ingest_shards(shards))
+        return outcomes
 
     def _sidecar(self, shard_path: str) -> str:
         """A commit hint appeared or changed: (re-)check its shard against it."""
@@ -126,54 +148,76 @@ class Ingestor:
         with self.sessions() as s:
             shard_id = s.execute(select(Shard.id).where(Shard.path == shard_path)).scalar_one_or_none()
         if shard_id is not None and outcome == "same":
-            self.submit(shard_id)
+            self.submit([shard_id])
         return outcome
 
     # --- shards --------------------------------------------------------------------------------
 
-    def _ingest_shard(self, name: runlayout.ShardName, path: str) -> str:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return self._vanished(path)
-        if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path):
-            return "ignored"  # symlinks (file or directory) are never followed out of the root
-        # MindSpore renames into place then chmods 0400; a writable file may still be growing
-        # (an operator's cp), so it must be unchanged for settle_seconds first.
-        if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds and not os.path.exists(
-            runlayout.sidecar_for(path)  # the trainer's "done" sidecar says the write is complete
-        ):
-            return "unsettled"
-        fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
-        parse_error = self._parse_error(path)
+    def _ingest_shards(self, shards: dict[str, runlayout.ShardName]) -> dict[str, str]:
+        outcomes: dict[str, str] = {}
+        ready: dict[tuple, list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]] = {}
+        vanished: list[str] = []
+        for path, name in shards.items():
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                vanished.append(path)
+                continue
+            if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path):
+                outcomes[path] = "ignored"  # symlinks (file or directory) are never followed out of the root
+                continue
+            # MindSpore renames into place then chmods 0400; a writable file may still be growing
+            # (an operator's cp), so it must be unchanged for settle_seconds first.
+            if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds and not os.path.exists(
+                runlayout.sidecar_for(path)  # the trainer's "done" sidecar says the write is complete
+            ):
+                outcomes[path] = "unsettled"
+                continue
+            fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
+            key = (name.run, name.prefix, name.epoch, name.step, name.kind)
+            ready.setdefault(key, []).append((name, repo.ShardFile(name.rank, path, fstat, name.format), self._parse_error(path)))
+        if vanished:
+            outcomes.update(self._vanished_many(vanished))
+        for key in sorted(ready):  # one transaction per checkpoint: it locks that one row only
+            outcomes.update(self._ingest_checkpoint(key, ready[key]))
+        return outcomes
+
+    def _ingest_checkpoint(
+        self, key: tuple, files: list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]
+    ) -> dict[str, str]:
+        run_name, prefix, epoch, step, kind = key
         with self.sessions.begin() as s:
-            run = repo.get_or_create_run(s, name.run, os.path.join(self.root, name.run))
+            run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
-                run.path = os.path.join(self.root, name.run)
+                run.path = os.path.join(self.root, run_name)
             strategy = self._current_strategy(s, run)
             expected = self._expected_ranks(run, strategy)
-            ckpt = repo.get_or_create_checkpoint(s, run, name.prefix, name.epoch, name.step, name.kind, expected)
+            ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size
             elif ckpt.expected_ranks is None and expected is not None:
                 ckpt.expected_ranks = expected
-            shard, changed = repo.register_shard(s, ckpt, name.rank, path, fstat, name.format)
-            if changed:
-                ckpt.step_checks_ok, ckpt.reason = None, None
-                if parse_error is not None:
+            registered = repo.register_shards(s, ckpt, [f for _, f, _ in files])
+            to_verify: list[int] = []
+            for reg, (_, f, parse_error) in zip(registered, files, strict=True):
+                if reg.changed and parse_error is not None:
                     repo.record_verification(
-                        s, shard.id, fstat, state=ShardState.CORRUPT,
+                        s, reg.shard_id, f.stat, state=ShardState.CORRUPT, ckpt_id=ckpt.id,
                         values={"error_code": parse_error.code, "error": str(parse_error)}, detail=str(parse_error), seconds=0.0,
                     )
+                elif reg.state == ShardState.COMPLETE.value:
+                    to_verify.append(reg.shard_id)  # also re-queues shards a crashed daemon left unverified
+            if any(reg.changed for reg in registered):
+                ckpt.step_checks_ok, ckpt.reason = None, None
             step_state = repo.recompute_step_state(s, ckpt)
-            shard_id, state, ckpt_id = shard.id, shard.state, ckpt.id
-        if state == ShardState.COMPLETE.value and parse_error is None:
-            self.submit(shard_id)  # also re-queues shards a crashed daemon left unverified
+            ckpt_id = ckpt.id
+        if to_verify:
+            self.submit(to_verify)
         elif step_state == StepState.PENDING:
             self.submit_step(ckpt_id)  # every shard verified but the step checks never ran (e.g. a crash)
-        return "new" if changed else "same"
+        return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
 
     def _parse_error(self, path: str) -> CkptdError | None:
         """'complete' requires that the file parses; this reads record headers only."""
@@ -186,17 +230,29 @@ class Ingestor:
             return CkptdError(f"cannot read: {err.strerror}", path=path)
 
     def _vanished(self, path: str) -> str:
-        with self.sessions.begin() as s:
-            ckpt_id = s.execute(select(Shard.checkpoint_id).where(Shard.path == path)).scalar_one_or_none()
-            if ckpt_id is None:
-                return "ignored"
-            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-            shard = s.execute(select(Shard).where(Shard.path == path)).scalar_one()
-            if shard.state == ShardState.DELETED.value:
-                return "ignored"
-            repo.mark_deleted(s, shard)
-            repo.recompute_step_state(s, ckpt)
-        return "deleted"
+        return self._vanished_many([path])[path]
+
+    def _vanished_many(self, paths: list[str]) -> dict[str, str]:
+        """Mark catalogued shards whose files are gone as deleted (rows are kept for history);
+        one transaction per checkpoint — a keep-last-N rotation removes a whole step at once."""
+        out = {p: "ignored" for p in paths}
+        by_ckpt: dict[int, list[str]] = {}
+        with self.sessions() as s:
+            for i in range(0, len(paths), _BATCH):
+                rows = s.execute(select(Shard.path, Shard.checkpoint_id).where(Shard.path.in_(paths[i : i + _BATCH]))).all()
+                for path, ckpt_id in rows:
+                    by_ckpt.setdefault(ckpt_id, []).append(path)
+        for ckpt_id in sorted(by_ckpt):
+            with self.sessions.begin() as s:
+                ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
+                gone = s.execute(select(Shard).where(
+                    Shard.path.in_(by_ckpt[ckpt_id]), Shard.state != ShardState.DELETED.value)).scalars().all()
+                for shard in gone:
+                    repo.mark_deleted(s, shard)
+                    out[shard.path] = "deleted"
+                if gone:
+                    repo.recompute_step_state(s, ckpt)
+        return out
 
     def _reconcile_deleted(self, seen: set[str]) -> int:
         prefix = self.root.rstrip(os.sep) + os.sep
@@ -205,9 +261,7 @@ class Ingestor:
                 select(Shard.path).where(Shard.state != ShardState.DELETED.value, Shard.path.startswith(prefix, autoescape=True))
             ).scalars().all()
         gone = [p for p in known if p not in seen and not os.path.exists(p)]
-        for path in gone:
-            self._vanished(path)
-        return len(gone)
+        return sum(outcome == "deleted" for outcome in self._vanished_many(gone).values())
 
     # --- strategies ----------------------------------------------------------------------------
 

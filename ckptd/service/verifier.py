@@ -1,18 +1,22 @@
 """The verification pipeline: a bounded worker pool that turns ``complete`` shards into
 ``verified`` or ``corrupt`` ones, then runs the step-level checks once a step is whole.
 
-Call order: ``Verifier(settings, sessions)`` → ``submit(shard_id)`` any number of times (from the
-ingest thread; duplicates are coalesced) → ``drain()`` to wait → ``close()``. ``verify_shard`` and
+Call order: ``Verifier(settings, sessions)`` → ``submit([shard ids])`` any number of times (from
+the ingest thread; duplicates are coalesced) → ``drain()`` to wait → ``close()``. Workers take
+shards in batches: files are read outside transactions, and the verdicts for one checkpoint's
+shards are claimed and recorded in one transaction each (a 512-rank step is a burst of 512
+shards; per-shard transactions cost more than reading small shards). ``verify_shard`` and
 ``check_step`` also run synchronously for on-demand re-verification.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import xxhash
 from sqlalchemy import func, select
@@ -21,7 +25,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
 from ckptd.errors import CkptdError
-from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
 from ckptd.format.verify import verify_file
@@ -72,130 +75,204 @@ def stat_of(path: str) -> repo.FileStat | None:
     return repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
+_BATCH = 128  # shards one worker verifies and records per round (one transaction per checkpoint)
+
+
+@dataclass
+class _Outcome:
+    ckpt_id: int
+    stat: repo.FileStat | None  # None: the file is gone
+    state: ShardState | None = None  # None: the file changed while it was read
+    values: dict[str, object] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
 class Verifier:
+    """Call order: ``submit([ids])`` / ``submit_step(id)`` any time → ``drain()`` → ``close()``."""
+
     def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
         self.settings = settings
         self.sessions = sessions
         self.key = settings.encryption_key()
-        self._pool = ThreadPoolExecutor(max_workers=settings.verify_workers, thread_name_prefix="ckptd-verify")
-        self._lock = threading.Lock()
-        self._queued: dict[int, Future[None]] = {}
+        self._cond = threading.Condition()
+        self._pending: dict[int, None] = {}  # shard ids, insertion-ordered (FIFO) and de-duplicated
+        self._steps: dict[int, None] = {}  # checkpoint ids waiting for their step checks
+        self._inflight: set[int] = set()
+        self._active = 0
+        self._closed = False
         self._checking: set[int] = set()
         self._strategies: dict[tuple[str, str], Strategy] = {}
         self.verified_count = 0
         self.failed_count = 0
         self.verified_bytes = 0
         self.verify_seconds = 0.0
+        self._workers = [
+            threading.Thread(target=self._work, name=f"ckptd-verify-{i}", daemon=True) for i in range(settings.verify_workers)
+        ]
+        for t in self._workers:
+            t.start()
 
     # --- queue ---------------------------------------------------------------------------------
 
-    def submit(self, shard_id: int) -> None:
-        with self._lock:
-            if shard_id in self._queued:
-                return
-            self._queued[shard_id] = self._pool.submit(self._run, shard_id)
+    def submit(self, shard_ids: list[int]) -> None:
+        """Queue shards for verification. An id already queued or being verified is not queued
+        again: MindSpore's chmod after the rename must not verify a file twice (a real change
+        mid-read is detected by the verification itself, which then re-queues)."""
+        with self._cond:
+            for shard_id in shard_ids:
+                if shard_id not in self._inflight:
+                    self._pending[shard_id] = None
+            self._cond.notify_all()
 
     def submit_step(self, ckpt_id: int) -> None:
-        key = -ckpt_id  # steps share the queue with shards; negative ids keep them apart
-        with self._lock:
-            if key in self._queued:
-                return
-            self._queued[key] = self._pool.submit(self._run_step, ckpt_id)
+        with self._cond:
+            self._steps[ckpt_id] = None
+            self._cond.notify_all()
 
-    def _run_step(self, ckpt_id: int) -> None:
-        with self._lock:
-            self._queued.pop(-ckpt_id, None)
-        try:
-            self._maybe_check_step(ckpt_id)
-        except Exception:
-            log.exception("step checks of checkpoint %s failed unexpectedly", ckpt_id)
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._steps and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step = next(iter(self._steps)) if self._steps else None
+                if step is not None:
+                    del self._steps[step]
+                    batch: list[int] = []
+                else:
+                    # a fair share of what is queued, so both workers take part in a burst
+                    n = max(1, min(_BATCH, -(-len(self._pending) // len(self._workers))))
+                    batch = list(itertools.islice(self._pending, n))
+                    for shard_id in batch:
+                        del self._pending[shard_id]
+                    self._inflight.update(batch)
+                self._active += 1
+            try:
+                if step is not None:
+                    self._maybe_check_step(step)
+                else:
+                    self._verify_queued(batch)
+            except Exception:  # a bug must not kill a worker; the shards stay 'complete' and the next rescan re-queues them
+                log.exception("verification of %s failed unexpectedly", f"checkpoint {step}" if step is not None else f"{len(batch)} shards")
+            finally:
+                with self._cond:
+                    self._inflight.difference_update(batch)
+                    self._active -= 1
+                    self._cond.notify_all()
 
-    def _run(self, shard_id: int) -> None:
-        # The id stays "queued" while it runs: a repeat event for the same file (MindSpore's chmod
-        # after the rename) must not verify it twice. A real change mid-run is caught below.
-        try:
-            outcome = self.verify_shard(shard_id)
-        except Exception:  # a bug must not kill the worker pool; the shard stays 'complete' and is retried on rescan
-            log.exception("verification of shard %s failed unexpectedly", shard_id)
-            outcome = ShardState.COMPLETE
-        finally:
-            with self._lock:
-                self._queued.pop(shard_id, None)
-        if outcome is None:
-            self.submit(shard_id)  # the file changed while we read it: verify the new version
+    def _verify_queued(self, batch: list[int]) -> None:
+        outcomes = self.verify_shards(batch)
+        again = [shard_id for shard_id, state in outcomes.items() if state is None]
+        if again:
+            with self._cond:  # the file changed while we read it: verify the new version
+                self._inflight.difference_update(again)
+            self.submit(again)
 
     def drain(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                pending = list(self._queued.values())
-            if not pending:
-                return
-            for fut in pending:
-                fut.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            while self._pending or self._steps or self._active:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("verification still running")
+                self._cond.wait(left)
 
     def idle(self) -> bool:
-        with self._lock:
-            return not self._queued
+        with self._cond:
+            return not (self._pending or self._steps or self._active)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers; queued work is dropped (the next start's rescan re-queues it)."""
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._steps.clear()
+            self._cond.notify_all()
+        for t in self._workers:
+            t.join()
 
-    # --- one shard -----------------------------------------------------------------------------
+    # --- shards --------------------------------------------------------------------------------
 
     def verify_shard(self, shard_id: int) -> ShardState | None:
+        """Verify one shard now (on-demand re-verification). None: it changed while being read."""
+        return self.verify_shards([shard_id]).get(shard_id, ShardState.DELETED)
+
+    def verify_shards(self, shard_ids: list[int]) -> dict[int, ShardState | None]:
+        """Verify shards and store the verdicts: the files are read outside any transaction, the
+        results of each checkpoint's shards are claimed and recorded in one transaction each."""
         with self.sessions() as s:
-            shard = s.get(Shard, shard_id)
-            if shard is None:
-                return ShardState.DELETED
-            path, ckpt_id, known_digest = shard.path, shard.checkpoint_id, shard.digest
+            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest).where(Shard.id.in_(shard_ids))).all()
+        by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
+        for shard_id, path, ckpt_id, digest in rows:
+            by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
+        result: dict[int, ShardState | None] = {shard_id: ShardState.DELETED for shard_id in shard_ids}
+        for ckpt_id in sorted(by_ckpt):
+            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id]))
+            self._maybe_check_step(ckpt_id)
+        return result
+
+    def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]]) -> dict[int, ShardState | None]:
         with self.sessions.begin() as s:
-            seq = repo.claim_verification(s, shard_id)
+            repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
+            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards])
+        t0 = time.perf_counter()
+        outcomes = {shard_id: self._read_shard(ckpt_id, path, digest) for shard_id, path, digest in shards}
+        t1 = time.perf_counter()
+        paths = {shard_id: path for shard_id, path, _ in shards}
+        result: dict[int, ShardState | None] = {shard_id: out.state for shard_id, out in outcomes.items()}
+        verdicts = [
+            repo.Verdict(shard_id, out.stat, out.state, out.values, seqs.get(shard_id), out.seconds)
+            for shard_id, out in outcomes.items() if out.stat is not None and out.state is not None
+        ]
+        gone = [shard_id for shard_id, out in outcomes.items() if out.stat is None]
+        with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)
+            for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
+                repo.mark_deleted(s, row)
+            stored = repo.record_verifications(s, ckpt_id, verdicts)
+            if stored or gone:
+                repo.recompute_step_state(s, ckpt)
+        log.debug("checkpoint %d: %d shards read in %.3f s, verdicts stored in %.3f s",
+                  ckpt_id, len(shards), t1 - t0, time.perf_counter() - t1)
+        for shard_id in gone:
+            result[shard_id] = ShardState.DELETED
+        for v in verdicts:
+            if v.shard_id not in stored:
+                continue
+            self.verified_bytes += v.stat.size
+            self.verify_seconds += v.seconds
+            if v.state == ShardState.CORRUPT:
+                self.failed_count += 1
+                log.warning("shard %s is corrupt: %s", paths[v.shard_id], v.values["error"])
+            else:
+                self.verified_count += 1
+        return result
+
+    def _read_shard(self, ckpt_id: int, path: str, known_digest: str | None) -> _Outcome:
         before = stat_of(path)
         if before is None:
-            with self.sessions.begin() as s:
-                ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-                row = s.get(Shard, shard_id)
-                if row is not None:
-                    repo.mark_deleted(s, row)
-                    repo.recompute_step_state(s, ckpt)
-            return ShardState.DELETED
+            return _Outcome(ckpt_id, None)
         t0 = time.perf_counter()
         values, problems = self._check_file(path)
         if known_digest is not None and values["digest"] != known_digest:
             problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
             values["digest"] = known_digest  # keep the evidence of what the file was
-        after = stat_of(path)
-        if after != before:
-            return None  # the file changed under us: the caller re-queues it
-        state = ShardState.CORRUPT if problems else ShardState.VERIFIED
+        if stat_of(path) != before:
+            return _Outcome(ckpt_id, before, None)  # the file changed under us: verify the new version
         if problems:
             values["error_code"], values["error"] = problems[0][0], "; ".join(msg for _, msg in problems)
         else:
             values["error_code"] = values["error"] = None
-        with self.sessions.begin() as s:
-            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-            stored = repo.record_verification(
-                s, shard_id, before, state=state, values=values, detail=values.get("error"), seconds=time.perf_counter() - t0,
-                seq=seq,
-            )
-            if stored:
-                repo.recompute_step_state(s, ckpt)
-        if stored:
-            self.verified_bytes += before.size
-            self.verify_seconds += time.perf_counter() - t0
-            if problems:
-                self.failed_count += 1
-                log.warning("shard %s is corrupt: %s", path, values["error"])
-            else:
-                self.verified_count += 1
-        self._maybe_check_step(ckpt_id)
-        return state
+        state = ShardState.CORRUPT if problems else ShardState.VERIFIED
+        return _Outcome(ckpt_id, before, state, values, time.perf_counter() - t0)
 
     def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
         values: dict[str, object] = {"digest": file_digest(path)}
-        report = verify_file(path, self.key, require_crc=self.settings.require_crc)
+        report = verify_file(path, self.key, require_crc=self.settings.require_crc, inspect=content_step)
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
+        if report.ok:
+            values["global_step"] = report.inspected
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
         hint = read_sidecar(path)
         if hint is not None and (hint.get("size") != os.path.getsize(path) or hint.get("xxh3_128") not in (None, values["digest"])):
@@ -204,12 +281,6 @@ class Verifier:
                                                  f"digest {str(hint.get('xxh3_128'))[:12]}…)"))
         if self.settings.require_encryption and report.format == "ckpt" and report.encryption is None and not problems:
             problems.append(("policy", "plaintext shard but require_encryption is set"))
-        if report.ok:
-            try:
-                with open_checkpoint(path, self.key) as ck:
-                    values["global_step"] = content_step(ck)
-            except CkptdError as err:
-                problems.append((err.code, err.message))
         return values, problems
 
     # --- steps ---------------------------------------------------------------------------------
@@ -235,14 +306,14 @@ class Verifier:
                 Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
             if set(counts) != {ShardState.VERIFIED.value} or counts[ShardState.VERIFIED.value] < ckpt.expected_ranks:
                 return
-        with self._lock:  # the last two shards of a step can finish at the same moment: check once
+        with self._cond:  # the last two shards of a step can finish at the same moment: check once
             if ckpt_id in self._checking:
                 return
             self._checking.add(ckpt_id)
         try:
             self.check_step(ckpt_id)
         finally:
-            with self._lock:
+            with self._cond:
                 self._checking.discard(ckpt_id)
 
     def check_step(self, ckpt_id: int) -> list[str]:
