@@ -49,9 +49,29 @@ class Daemon:
         if finished:
             log.info("finished %d interrupted retention deletions", finished)
         self.watcher.start()
+        if self.settings.scrub_interval:
+            threading.Thread(target=self._scrub_loop, name="ckptd-scrub", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)
             self._gc_thread.start()
+
+    def _scrub_loop(self) -> None:
+        """Background re-verification at the lowest priority: a few shards at a time, and only
+        while the verifier has nothing else to do, so fresh shards never queue behind a scrub."""
+        idle_period = min(60.0, self.settings.scrub_interval)
+        chunk = 4 * self.settings.verify_workers
+        period = idle_period
+        while not self._stopping.wait(period):
+            try:
+                if not self.verifier.idle():
+                    period = 1.0
+                    continue
+                due = self.verifier.due_for_scrub(str(self.settings.root), self.settings.scrub_interval, chunk)
+                self.verifier.submit(due)
+                period = 1.0 if due else idle_period
+            except Exception:
+                log.exception("background scrub failed; will retry")
+                period = idle_period
 
     def _gc_loop(self) -> None:
         policy = RetentionPolicy(keep_last=self.settings.gc_keep_last, keep_every=self.settings.gc_keep_every)

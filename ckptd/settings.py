@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     gc_keep_last: int | None = Field(default=None, ge=1, description="background retention: keep N restorable steps")
     gc_keep_every: int | None = Field(default=None, ge=1)
     gc_interval: float = Field(default=300.0, gt=0)
+    scrub_interval: float = Field(
+        default=0.0, ge=0,
+        description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",
+    )
 
     @field_validator("root", mode="after")
     @classmethod

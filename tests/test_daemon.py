@@ -299,3 +299,46 @@ def test_strategy_overwritten_by_a_new_layout_keeps_old_steps_valid(ms, root, ca
     assert daemon.verifier.check_step(ckpt_id) == []  # re-checked against the layout it was saved with
     assert dict(query(catalog_url, "SELECT step, expected_ranks FROM checkpoints")) == {100: 2, 200: 4}
     assert query(catalog_url, "SELECT count(*) FROM strategy_files")[0][0] == 2
+
+
+def test_scrub_finds_bit_rot_that_keeps_size_and_mtime(ms, root, catalog_url):
+    """A rescan cannot see in-place corruption that keeps size, mtime and inode; the background
+    scrub re-reads verified shards and compares them with the digest taken at ingest."""
+    write_tp_strategy(root / "run1")
+    for rank in range(2):
+        save_shard(ms, root, "run1", rank, 100)
+    rotten = root / "run1" / "rank_1" / "net-1_100.ckpt"
+    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    d.start()
+    try:
+        _settled(d, catalog_url, {100: "verified"})
+    finally:
+        d.stop()
+    st = os.stat(rotten)
+    os.chmod(rotten, 0o600)
+    with open(rotten, "r+b") as fh:  # flip a bit inside a tensor payload, then restore the mtime
+        fh.seek(st.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(st.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    os.chmod(rotten, 0o400)
+    os.utime(rotten, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # without a scrub the daemon trusts the catalogued verdict: nothing it can see has changed
+    quiet = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    quiet.start()
+    try:
+        assert quiet.wait_idle(timeout=30)
+        assert step_states(catalog_url) == {100: "verified"}
+    finally:
+        quiet.stop()
+    scrubbing = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
+                                scrub_interval=1.0))
+    scrubbing.start()
+    try:
+        _settled(scrubbing, catalog_url, {100: "corrupt"})
+    finally:
+        scrubbing.stop()
+    bad = query(catalog_url, "SELECT path, error_code, quarantined FROM shards WHERE state = 'corrupt'")
+    assert len(bad) == 1 and bad[0][0] == str(rotten) and bad[0][2]
+    assert bad[0][1] in ("content_changed", "checksum_mismatch")
+    assert rotten.exists()  # quarantined in place

@@ -23,7 +23,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         d = daemon or Daemon(settings)
         app.state.daemon = d
         app.state.sessions = d.sessions
-        app.state.jobs = JobRunner(d.sessions, d.ingestor.examine, d.verifier.verify_shard, d.verifier.check_step)
+        app.state.jobs = JobRunner(d.sessions, d.ingestor.examine_many, d.verifier.verify_shards, d.verifier.check_step)
         app.state.started = time.monotonic()
         d.start()
         try:

@@ -235,7 +235,7 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
     settings, sessions = _sessions(args)
     settings = settings_from(args).model_copy(update={"db": settings.db, "root": settings.root})
     verifier = Verifier(settings, sessions)
-    ingestor = Ingestor(settings, sessions, lambda _id: None, lambda _id: None)
+    ingestor = Ingestor(settings, sessions, lambda _ids: None, lambda _id: None)
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
 
@@ -245,7 +245,7 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
             print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
 
     try:
-        result = reverify(sessions, ingestor.examine, verifier.verify_shard, verifier.check_step, shards, bar)
+        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar)
     finally:
         verifier.close()
     if sys.stderr.isatty() or args.progress:

@@ -1,8 +1,9 @@
 """Background jobs with progress stored in the catalog (``jobs`` table): re-verification for now.
 
-Call order: ``JobRunner(sessions, ingestor, verifier)`` → ``start_verify(...)`` returns the job
-immediately → poll ``get_job`` → ``close()``. The verification itself runs synchronously, shard by
-shard, on the runner's own thread (one job at a time: jobs must not starve live ingest).
+Call order: ``JobRunner(sessions, examine_many, verify_shards, check_step)`` → ``start_verify(...)``
+returns the job immediately → poll ``get_job`` → ``close()``. The verification itself runs
+synchronously, a chunk of shards at a time, on the runner's own thread (one job at a time: jobs
+must not starve live ingest).
 """
 
 from __future__ import annotations
@@ -60,22 +61,28 @@ def select_shards(s: Session, run_name: str, step: int | None) -> tuple[Run, lis
     return run, [tuple(r) for r in s.execute(q.order_by(Checkpoint.step, Shard.rank)).all()]
 
 
+_CHUNK = 64  # shards re-examined and re-verified per round (one transaction per checkpoint each)
+
+
 def reverify(
     sessions: sessionmaker[Session],
-    examine: Callable[[str], str],
-    verify_shard: Callable[[int], Any],
+    examine_many: Callable[[list[str]], dict[str, str]],
+    verify_shards: Callable[[list[int]], dict[int, Any]],
     check_step: Callable[[int], list[str]],
     shards: list[tuple[int, str, int]],
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, Any]:
     """Re-examine and re-verify shards, then re-run the step checks. Returns a summary."""
     states: dict[str, int] = {}
-    for n, (shard_id, path, _) in enumerate(shards, 1):
-        examine(path)  # picks up replaced/vanished files first
-        state = verify_shard(shard_id)
-        key = state.value if state is not None else "skipped"
-        states[key] = states.get(key, 0) + 1
-        progress(n, len(shards))
+    for start in range(0, len(shards), _CHUNK):
+        chunk = shards[start : start + _CHUNK]
+        examine_many([path for _, path, _ in chunk])  # picks up replaced/vanished files first
+        verdicts = verify_shards([shard_id for shard_id, _, _ in chunk])
+        for shard_id, _, _ in chunk:
+            state = verdicts.get(shard_id)
+            key = state.value if state is not None else "skipped"
+            states[key] = states.get(key, 0) + 1
+        progress(start + len(chunk), len(shards))
     step_problems = {}
     for ckpt_id in sorted({c for _, _, c in shards}):
         with sessions.begin() as s:
@@ -90,9 +97,9 @@ def reverify(
 
 
 class JobRunner:
-    def __init__(self, sessions: sessionmaker[Session], examine, verify_shard, check_step) -> None:  # noqa: ANN001
+    def __init__(self, sessions: sessionmaker[Session], examine_many, verify_shards, check_step) -> None:  # noqa: ANN001
         self.sessions = sessions
-        self._examine, self._verify_shard, self._check_step = examine, verify_shard, check_step
+        self._examine, self._verify, self._check_step = examine_many, verify_shards, check_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-jobs")
 
     def start_verify(self, run_name: str, step: int | None) -> dict[str, Any]:
@@ -100,7 +107,7 @@ class JobRunner:
             _, shards = select_shards(s, run_name, step)
 
         def work(progress: Callable[[int, int], None]) -> dict[str, Any]:
-            return reverify(self.sessions, self._examine, self._verify_shard, self._check_step, shards, progress)
+            return reverify(self.sessions, self._examine, self._verify, self._check_step, shards, progress)
 
         return self.start("verify", run_name, {"run": run_name, "step": step}, len(shards), work)
 

@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from dataclasses import dataclass, field
 
 import xxhash
@@ -191,6 +192,22 @@ class Verifier:
             self._cond.notify_all()
         for t in self._workers:
             t.join()
+
+    def due_for_scrub(self, root: str, max_age: float, limit: int) -> list[int]:
+        """Verified shards under ``root`` whose last verification is older than ``max_age``
+        seconds, oldest first (index ``ix_shards_state_verified_at``). Re-verifying them compares
+        the bytes with the digest taken at ingest, so in-place corruption that keeps size and
+        mtime (which a rescan cannot see) turns the shard — and its step — corrupt."""
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=max_age)
+        prefix = root.rstrip(os.sep) + os.sep
+        with self.sessions() as s:
+            return list(s.execute(
+                select(Shard.id)
+                .where(Shard.state == ShardState.VERIFIED.value, Shard.verified_at < cutoff,
+                       Shard.path.startswith(prefix, autoescape=True))
+                .order_by(Shard.verified_at)
+                .limit(limit)
+            ).scalars())
 
     # --- shards --------------------------------------------------------------------------------
 
