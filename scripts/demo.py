@@ -8,6 +8,11 @@
    says is whole and verified. The loss curve continues -- the recomputed steps bit for bit.
 4. What ckptd knows: `ckptd ls`, the resume answer; then the file tools on one shard, and a flipped
    bit caught by `ckptd verify` (and by the daemon, which moves the resume point back).
+5. Elastic restart: the node of ranks 2-3 is gone for good. The launcher relaunches the job on the 2
+   remaining ranks (tp 2 x dp 1, same global batch); ckptd's oracle answers with a 4-rank step, so the
+   launcher has ckptd re-shard it (POST /v1/runs/llama/conversions) and resumes from the converted
+   copy. Steps trained again on 2 ranks give the 4-rank losses (to float rounding: sums run in
+   another order).
 Everything lands in ./demo-out (recreated on each run).
 """
 
@@ -34,8 +39,13 @@ RUN_DIR = ROOT / RUN
 TP, DP = 2, 2
 STEPS, SAVE_EVERY = 30, 5
 FAULT_RANK, FAULT_STEP = 2, 23  # rank 2 is SIGKILLed at the start of step 23 (last save: step 20)
+ELASTIC_TP, ELASTIC_DP, ELASTIC_STEPS = 2, 1, 35  # part 5: continue on 2 ranks to step 35
+TOTAL_STEPS = ELASTIC_STEPS  # one lr schedule for both jobs, so part 5 continues the same training
+MICRO_BATCH = 2  # per dp rank: the global batch is MICRO_BATCH * DP sequences in every layout
+#: losses of one step computed in two layouts agree to float rounding (the all-reduces sum in another order)
+LAYOUT_TOLERANCE = 1e-5
 MODEL = ["--hidden", "64", "--heads", "4", "--ffn", "128", "--layers", "2", "--seq", "32",
-         "--micro-batch", "2", "--warmup", "5", "--lr", "5e-3"]
+         "--warmup", "5", "--lr", "5e-3", "--total-steps", str(TOTAL_STEPS)]
 BOLD, DIM, RED, GREEN, OFF = ("\033[1m", "\033[2m", "\033[31m", "\033[32m", "\033[0m") if sys.stdout.isatty() \
     else ("", "", "", "", "")
 _print_lock = threading.Lock()
@@ -99,20 +109,24 @@ def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
 
 
 class LossCurve:
-    """Tails rank 0's metrics.jsonl and prints one line per step; marks the resume point and checks that
-    steps trained again after the resume give bit-for-bit the loss they had before the failure."""
+    """Tails rank 0's metrics.jsonl and prints one line per step; marks each resume and checks steps
+    trained again against their first computation: bit for bit in the same layout, to
+    LAYOUT_TOLERANCE in another one (``earlier`` = losses of the previous job, by step)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, earlier: dict[int, dict] | None = None, layout_note: str = "") -> None:
         self.path, self.stop = path, threading.Event()
-        self.seen: dict[int, str] = {}  # step -> loss_hex of its first computation
-        self.attempt = 0
-        self.recomputed: list[tuple[int, bool]] = []
+        self.start = path.stat().st_size if path.exists() else 0  # only this job's lines
+        self.earlier = earlier or {}
+        self.layout_note = layout_note
+        self.seen: dict[int, dict] = {}  # step -> this job's first computation of it
+        self.attempt: int | None = None
+        self.recomputed: list[tuple[int, bool, float]] = []  # (step, same, |difference|)
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        pos, buf = 0, ""
+        pos, buf = self.start, ""
         while not self.stop.is_set() or os.path.exists(self.path) and os.path.getsize(self.path) > pos:
             if os.path.exists(self.path):
                 with open(self.path) as fh:
@@ -128,20 +142,55 @@ class LossCurve:
     def _show(self, d: dict) -> None:
         step, loss = d["step"], d["loss"]
         if d["attempt"] != self.attempt:
+            if self.attempt is not None or self.earlier:
+                say(f"  {BOLD}---- attempt {d['attempt']}{self.layout_note}: resumed, training continues "
+                    f"from step {step} ----{OFF}")
             self.attempt = d["attempt"]
-            say(f"  {BOLD}---- attempt {self.attempt}: resumed, training continues from step {step} ----{OFF}")
         note = ""
-        if step in self.seen:
-            same = self.seen[step] == d["loss_hex"]
-            self.recomputed.append((step, same))
+        if step in self.seen:  # same job, same layout: must be bitwise
+            same = self.seen[step]["loss_hex"] == d["loss_hex"]
+            self.recomputed.append((step, same, abs(self.seen[step]["loss"] - loss)))
             note = f"{GREEN}= attempt 0, bit for bit{OFF}" if same else f"{RED}differs from attempt 0!{OFF}"
+        elif step in self.earlier:  # the previous job, another layout: float rounding apart
+            diff = abs(self.earlier[step]["loss"] - loss)
+            same = diff <= LAYOUT_TOLERANCE
+            self.recomputed.append((step, same, diff))
+            exact = "the same float" if diff == 0 else f"|diff| {diff:.1e}"
+            note = (f"{GREEN}= 4-rank loss ({exact}){OFF}" if same
+                    else f"{RED}differs from the 4-rank loss by {diff:.1e}!{OFF}")
+            self.seen[step] = d
         else:
-            self.seen[step] = d["loss_hex"]
+            self.seen[step] = d
         saved = f"  saved step {step}" if d["save_s"] > 0 else ""
         bar = "#" * max(1, int((loss - 2.0) * 12))
         say(f"  step {step:3d}  loss {loss:.4f}  {DIM}{bar:<45}{OFF}{note}{saved}")
         self.first_loss = self.first_loss if self.first_loss is not None else loss
         self.last_loss = loss
+
+
+def run_launcher(cmd: list[str], env: dict[str, str], curve: LossCurve) -> tuple[int, list[str]]:
+    """Run the launcher, echo its decisions (``launch:`` lines) and the loss curve as they come."""
+    curve.thread.start()
+    launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    decisions = []
+    try:
+        for line in launcher.stderr:
+            if line.startswith("launch:"):
+                decisions.append(line.rstrip())
+                say(f"  {BOLD}{line.rstrip()}{OFF}")
+        rc = launcher.wait()
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)  # the launcher then stops every rank it started
+            launcher.wait(30)
+        curve.stop.set()
+        curve.thread.join()
+    return rc, decisions
+
+
+def fail(what: str) -> int:
+    say(f"{RED}demo failed: {what}{OFF}")
+    return 1
 
 
 def main() -> int:
@@ -161,7 +210,6 @@ def main() -> int:
     server = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(ROOT), "--port", str(port)],
                               env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     say(f"$ ckptd serve --root {ROOT} --port {port} &")
-    launcher = None
     try:
         wait_until(lambda: get(f"{url}/healthz").get("first_rescan_done"), "ckptd to start")
         say(f"  ckptd is up: {url}  (log: {OUT / 'ckptd.log'})")
@@ -170,28 +218,19 @@ def main() -> int:
                f"at step {FAULT_STEP}")
         cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(RUN_DIR), "--tp", str(TP), "--dp", str(DP),
                "--ckptd-url", url, "--backoff", "0.5", "--fault", f"kill:{FAULT_RANK}:{FAULT_STEP}",
-               "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *MODEL]
+               "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--micro-batch", str(MICRO_BATCH), *MODEL]
         say(f"$ python -m trainer.launch --run-dir {RUN_DIR} --tp {TP} --dp {DP} --ckptd-url {url} \\\n"
             f"      --fault kill:{FAULT_RANK}:{FAULT_STEP} -- --steps {STEPS} --save-every {SAVE_EVERY} ...")
         say(f"{DIM}  (launch: lines are the launcher's decisions; step lines are rank 0's loss as it trains){OFF}")
         curve = LossCurve(RUN_DIR / "metrics.jsonl")
-        curve.thread.start()
-        launcher = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True)
-        decisions = []
-        for line in launcher.stderr:
-            if line.startswith("launch:"):
-                decisions.append(line.rstrip())
-                say(f"  {BOLD}{line.rstrip()}{OFF}")
-        rc = launcher.wait()
-        curve.stop.set()
-        curve.thread.join()
+        rc, decisions = run_launcher(cmd, env, curve)
         if rc != 0:
-            say(f"{RED}launcher exited {rc}; see {RUN_DIR / 'launcher.log'}{OFF}")
-            return rc
-        same = sum(ok for _, ok in curve.recomputed)
+            return fail(f"the launcher exited {rc}; see {RUN_DIR / 'launcher.log'}")
+        same = sum(ok for _, ok, _ in curve.recomputed)
         say(f"\n  loss {curve.first_loss:.3f} -> {curve.last_loss:.3f} over {STEPS} steps; "
             f"{len(curve.recomputed)} steps trained again after the resume, {same} of them bit-for-bit identical")
+        if not curve.recomputed or same != len(curve.recomputed):
+            return fail("the steps trained again after the resume should have had bit-for-bit the same loss")
 
         banner("3. What ckptd knows")
         failed = next((d for d in decisions if "event=rank_failed" in d), "")
@@ -235,10 +274,11 @@ def main() -> int:
         wait_until(lambda: get(f"{url}/v1/runs/{RUN}/resume").get("step") != STEPS, "ckptd to rule out the step")
         say(f"  step {STEPS} is now corrupt in the catalog; a restart now would be told:")
         ckptd("resume", "--run", RUN, env=env)
+
+        rc = elastic_restart(url, env, curve.seen)
+        if rc != 0:
+            return rc
     finally:
-        if launcher is not None and launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)  # the launcher then stops every rank it started
-            launcher.wait(30)
         server.send_signal(signal.SIGTERM)
         try:
             server.wait(30)
@@ -246,6 +286,46 @@ def main() -> int:
             server.kill()
         log.close()
     banner(f"Done in {time.monotonic() - t_start:.0f}s. Catalog, checkpoints, launcher and daemon logs: {OUT}")
+    return 0
+
+
+def elastic_restart(url: str, env: dict[str, str], earlier: dict[int, dict]) -> int:
+    """Part 5: the job continues on fewer ranks from ckptd's re-sharded copy of its newest verified step."""
+    world = ELASTIC_TP * ELASTIC_DP
+    micro_batch = MICRO_BATCH * DP // ELASTIC_DP  # the same global batch on fewer dp ranks
+    banner(f"5. The node of ranks {world}-{TP * DP - 1} is gone for good: continue on the {world} remaining ranks "
+           f"(tp={ELASTIC_TP} x dp={ELASTIC_DP}) through ckptd's conversion")
+    cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(RUN_DIR), "--tp", str(ELASTIC_TP),
+           "--dp", str(ELASTIC_DP), "--ckptd-url", url, "--backoff", "0.5", "--max-restarts", "0",
+           "--", "--steps", str(ELASTIC_STEPS), "--save-every", str(SAVE_EVERY), "--micro-batch", str(micro_batch),
+           *MODEL]
+    say(f"$ python -m trainer.launch --run-dir {RUN_DIR} --tp {ELASTIC_TP} --dp {ELASTIC_DP} --ckptd-url {url} \\\n"
+        f"      -- --steps {ELASTIC_STEPS} --save-every {SAVE_EVERY} --micro-batch {micro_batch} ...")
+    say(f"{DIM}  (the same global batch: {micro_batch} sequences x dp {ELASTIC_DP}, was {MICRO_BATCH} x dp {DP}. "
+        f"ckptd's newest verified step has {TP * DP} shards, so the launcher has ckptd re-shard it for "
+        f"{world} ranks){OFF}")
+    curve = LossCurve(RUN_DIR / "metrics.jsonl", earlier=earlier, layout_note=f" on {world} ranks")
+    rc, decisions = run_launcher(cmd, env, curve)
+    if rc != 0:
+        return fail(f"the relaunch on {world} ranks exited {rc}; see {RUN_DIR / 'launcher.log'}")
+    if not any("event=convert_done" in d or "event=convert_existing" in d for d in decisions):
+        return fail("the launcher resumed without a converted copy")
+    answer = json.loads((RUN_DIR / "launcher" / "resume_0.json").read_text())
+    say(f"\n  the {world} ranks loaded ckptd's re-sharded copy of step {answer['step']} (one file per new rank):")
+    for s in answer["shards"]:
+        say(f"    rank {s['rank']}: {s['path']}")
+    conversion = get(f"{url}/v1/runs/{RUN}/conversions")[0]
+    say(f"$ curl {url}/v1/runs/{RUN}/conversions")
+    say(f"  [{{\"source_step\": {conversion['source_step']}, \"state\": \"{conversion['state']}\", "
+        f"\"source_strategy_hash\": \"{conversion['source_strategy_hash'][:19]}...\", "
+        f"\"target_strategy_hash\": \"{conversion['target_strategy_hash'][:19]}...\", ...}}]")
+    worst = max((diff for _, _, diff in curve.recomputed), default=0.0)
+    same = sum(ok for _, ok, _ in curve.recomputed)
+    say(f"\n  loss {curve.first_loss:.3f} -> {curve.last_loss:.3f}; {len(curve.recomputed)} steps trained again on "
+        f"{world} ranks, {same} of them within {LAYOUT_TOLERANCE:.0e} of the {TP * DP}-rank loss "
+        f"(largest difference {worst:.1e}: the all-reduces sum in another order)")
+    if not curve.recomputed or same != len(curve.recomputed):
+        return fail(f"steps trained again on {world} ranks should match the {TP * DP}-rank losses")
     return 0
 
 

@@ -10,7 +10,9 @@ file (pid, step, phase, time) and exit marker. A rank fails when its process is 
 exit marker, when it writes a non-zero exit marker, or when its heartbeat goes stale (a hung rank --
 ranks blocked in a collective behind it go stale too, so the culprit is the one furthest behind).
 On failure: kill the whole job (msrun, its scheduler and every worker, which msrun puts in their own
-sessions), back off, ask the oracle again and restart -- at most ``--max-restarts`` times. Every
+sessions), back off, ask the oracle again and restart -- at most ``--max-restarts`` times. When
+the step to resume was saved in another layout (another world size after a lost node, or another
+tp/dp split of the same world), the job resumes from ckptd's re-sharded copy (see trainer.elastic). Every
 decision is one ``launch:`` log line on stderr and in ``<run-dir>/launcher.log``.
 
 msrun quirk: after all workers exit cleanly, MindSpore's CPU scheduler still waits ~30 s for
@@ -31,9 +33,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainer.elastic import in_other_layout, job_strategy_hash, resume_converted
 from trainer.health import exit_path, heartbeat_path
-from trainer.oracle import (ConversionError, OracleError, ResumeAnswer, ask_command, ask_http, converted_answer,
-                            request_conversion, wait_for_job, wait_for_verdicts)
+from trainer.oracle import ConversionError, OracleError, ResumeAnswer, ask_command, ask_http, wait_for_verdicts
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(REPO_ROOT, "trainer", "train.py")
@@ -245,53 +247,31 @@ class Job:
 def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
     if args.resume_cmd:
         answer = ask_command(args.resume_cmd, world)
-        if answer.saved_world is not None:
-            return elastic(args, world, attempt, log, answer)  # gives up: only ckptd converts
+        if answer.saved_world is not None:  # only ckptd converts: give up rather than start fresh
+            raise ConversionError(f"step {answer.step} was saved with world size {answer.saved_world}, the job has "
+                                  f"{world}, and only ckptd can convert it")
         return answer
     if args.ckptd_url:
         if args.settle_timeout > 0:
             settle(args, world, attempt, log)
-        answer = ask_http(args.ckptd_url, args.run_name, world)
-        if answer.saved_world is not None:
-            return elastic(args, world, attempt, log, answer)
+        # naming the job's world size: ckptd then says where a copy re-sharded for it is, if it has one
+        answer = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
+        target = job_layout_hash(args)
+        if in_other_layout(answer, target):
+            return resume_converted(args.ckptd_url, args.run_name, args.tp, args.dp, target, answer,
+                                    args.convert_timeout, lambda **f: log(attempt=attempt, **f))
         return answer
     return ResumeAnswer(None, None, "no oracle configured")
 
 
-def elastic(args, world: int, attempt: int, log: Log, first: ResumeAnswer) -> ResumeAnswer:
-    """The newest restorable step was saved with another world size: resume from ckptd's re-sharded copy.
-
-    Ask again naming this job's world size; use the converted copy ckptd already has, or have ckptd
-    make one (``tp=<tp>,dp=<dp>``, admin token), wait for that job (bounded) and ask once more. Any
-    failure raises ConversionError: the launcher gives up rather than silently start fresh.
-    """
-    if args.resume_cmd or not args.ckptd_url:
-        raise ConversionError(f"step {first.step} was saved with world size {first.saved_world}, the job has "
-                              f"{world}, and only ckptd can convert it")
-    answer = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
-    if answer.saved_world is None:
-        return answer  # meanwhile a step saved with this job's world size became the newest
-    ready = converted_answer(answer, world)
-    if ready is not None:
-        log(attempt=attempt, event="convert_existing", step=answer.step, from_world=answer.saved_world,
-            to_world=world, reason="ckptd already has this step re-sharded for the job's world size")
-        return ready
-    step, saved = answer.step, answer.saved_world
-    log(attempt=attempt, event="convert_requested", step=step, from_world=saved, to_world=world,
-        layout=f"tp={args.tp},dp={args.dp}", reason=f"newest restorable step was saved with world size {saved}")
-    t0 = time.monotonic()
-    job_id = request_conversion(args.ckptd_url, args.run_name, step, args.tp, args.dp)
-    wait_for_job(args.ckptd_url, job_id, args.convert_timeout)
-    again = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
-    if again.saved_world is None and again.step is not None:
-        return again  # meanwhile a step saved with this job's world size became the newest
-    ready = converted_answer(again, world) if again.step == step and again.saved_world == saved else None
-    if ready is None:
-        raise ConversionError(f"conversion job {job_id} of step {step} finished but ckptd's resume answer "
-                              f"(step {again.step}, world size {again.saved_world or world}) has no converted copy")
-    log(attempt=attempt, event="convert_done", step=step, from_world=saved, to_world=world, job=job_id,
-        waited=f"{time.monotonic() - t0:.1f}s")
-    return ready
+def job_layout_hash(args) -> str:
+    """This job's strategy hash (what a checkpoint must have been saved with to be loaded as it is)."""
+    if getattr(args, "layout_hash", None) is None:
+        try:
+            args.layout_hash = job_strategy_hash(args.tp, args.dp, args.train_args)
+        except ValueError as err:
+            raise OracleError(f"this job's layout tp={args.tp},dp={args.dp} does not fit the model: {err}") from None
+    return args.layout_hash
 
 
 def settle(args, world: int, attempt: int, log: Log) -> None:

@@ -262,19 +262,14 @@ def wait_for_job(url: str, job_id: int, timeout: float, poll: float = 0.5) -> di
         time.sleep(poll)
 
 
-def converted_answer(answer: ResumeAnswer, world: int) -> ResumeAnswer | None:
-    """The resume answer pointing at ckptd's ready converted copy (``conversion.existing``), or None."""
-    existing = (answer.conversion or {}).get("existing")
-    if not isinstance(existing, dict) or answer.body is None or answer.step is None:
-        return None
-    body = dict(answer.body, shards=existing.get("shards"), strategy_file=existing.get("strategy_file"),
-                world_size=world, converted_from_world_size=answer.saved_world)
+def list_conversions(url: str, run: str, timeout: float = 10.0) -> list[dict]:
+    """``GET /v1/runs/{run}/conversions``: the run's conversion jobs, newest first ([] for an unknown run)."""
     try:
-        ranks = sorted(int(s["rank"]) for s in body["shards"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConversionError(f"ckptd's converted copy is malformed ({err!r})") from None
-    if ranks != list(range(world)):
-        raise ConversionError(f"ckptd's converted copy of step {answer.step} covers ranks {ranks}, the job has {world}")
-    return ResumeAnswer(answer.step, body, f"ckptd: converted copy of step {answer.step} "
-                                           f"(world size {answer.saved_world} -> {world})", answer.saved_world,
-                        answer.conversion)
+        rows = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "GET", None, timeout)
+    except ConversionError as err:
+        if "HTTP 404" in str(err):
+            return []
+        raise
+    if not isinstance(rows, list):
+        raise ConversionError(f"ckptd's conversion list is not a list: {str(rows)[:200]}")
+    return [r for r in rows if isinstance(r, dict)]
