@@ -13,12 +13,30 @@ import threading
 import time
 import warnings
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from ckptd.service.ingest import Ingestor
 
 log = logging.getLogger("ckptd.watcher")
+
+# What can change the catalog: a file appearing (create, the rename that commits a save), its
+# write finishing (close after writing) and files or directories going away. Not modifications:
+# every write() of a multi-GB save would be an event, and in watchdog "modified" also means
+# attribute changes, so it cannot be asked for without them. MindSpore's chmod 0400 follows its
+# rename at once; a file still writable when examined is re-examined after settle_seconds.
+_WANTED = [FileCreatedEvent, FileMovedEvent, FileDeletedEvent, FileClosedEvent, DirCreatedEvent, DirMovedEvent,
+           DirDeletedEvent]
 
 
 class _Handler(FileSystemEventHandler):
@@ -85,7 +103,9 @@ class Watcher:
         warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
         root = self.ingestor.root
         self._observer = Observer()
-        self._observer.schedule(_Handler(self), root, recursive=True)
+        # The kernel is asked only for _WANTED: opens, reads and read-only closes (ckptd's own
+        # verification makes several per shard) and per-write modifications never reach Python.
+        self._observer.schedule(_Handler(self), root, recursive=True, event_filter=_WANTED)
         self._observer.daemon = True
         self._observer.start()
         self._thread.start()

@@ -342,3 +342,28 @@ def test_scrub_finds_bit_rot_that_keeps_size_and_mtime(ms, root, catalog_url):
     assert len(bad) == 1 and bad[0][0] == str(rotten) and bad[0][2]
     assert bad[0][1] in ("content_changed", "checksum_mismatch")
     assert rotten.exists()  # quarantined in place
+
+
+def test_step_whose_checks_never_ran_is_checked_after_restart(ms, root, catalog_url):
+    """A crash after a step's last shard was verified but before its step checks ran leaves it
+    'pending' with every shard settled; the next start's rescan must finish the job."""
+    write_tp_strategy(root / "run1")
+    for rank in range(2):
+        save_shard(ms, root, "run1", rank, 100)
+    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=30, debounce=0.02))
+    d.start()
+    try:
+        _settled(d, catalog_url, {100: "verified"})
+    finally:
+        d.stop()
+    engine = make_engine(catalog_url)
+    with engine.begin() as conn:  # the state that crash leaves behind
+        conn.exec_driver_sql("UPDATE checkpoints SET state = 'pending', step_checks_ok = NULL, global_step = NULL")
+    engine.dispose()
+    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=30, debounce=0.02))
+    d.start()
+    try:
+        _settled(d, catalog_url, {100: "verified"})
+    finally:
+        d.stop()
+    assert query(catalog_url, "SELECT step_checks_ok, global_step FROM checkpoints") == [(True, 100)]

@@ -12,7 +12,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Integer, Select, bindparam, distinct, func, insert, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Select,
+    bindparam,
+    distinct,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -214,6 +226,39 @@ _STORE_VERDICT = (
 )
 
 
+_PG_ARRAY_TYPES = {"digest": "varchar[]", "format": "varchar[]", "encryption": "varchar[]", "crc": "varchar[]",
+                   "global_step": "bigint[]", "error_code": "varchar[]", "error": "text[]"}
+_PG_STORE_VERDICTS = text(
+    "UPDATE shards AS s SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
+    + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
+    + " FROM unnest(CAST(:id AS integer[]), CAST(:size AS bigint[]), CAST(:mtime AS bigint[]), CAST(:inode AS bigint[]),"
+    " CAST(:seq AS integer[]), CAST(:state AS varchar[]), "
+    + ", ".join(f"CAST(:{c} AS {_PG_ARRAY_TYPES[c]})" for c in _VERDICT_COLUMNS)
+    + ") AS v(id, size, mtime, inode, seq, state, " + ", ".join(_VERDICT_COLUMNS) + ")"
+    " WHERE s.id = v.id AND s.size = v.size AND s.mtime_ns = v.mtime AND s.inode = v.inode AND s.state <> 'deleted'"
+    " AND (v.seq IS NULL OR s.verify_seq = v.seq) RETURNING s.id"
+)
+
+
+def _store_verdicts_values(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
+    """PostgreSQL: all verdicts in one ``UPDATE … FROM unnest(arrays) … RETURNING`` — one round
+    trip instead of one per shard, and constant SQL text (a VALUES list of N rows would be
+    compiled anew for every batch size, which costs more than the round trips it saves)."""
+    if not verdicts:
+        return set()
+    params: dict[str, Any] = {
+        "at": now,
+        "id": [v.shard_id for v in verdicts],
+        "size": [v.stat.size for v in verdicts],
+        "mtime": [v.stat.mtime_ns for v in verdicts],
+        "inode": [v.stat.inode for v in verdicts],
+        "seq": [v.seq for v in verdicts],
+        "state": [v.state.value for v in verdicts],
+        **{c: [v.values.get(c) for v in verdicts] for c in _VERDICT_COLUMNS},
+    }
+    return set(conn.execute(_PG_STORE_VERDICTS, params).scalars())
+
+
 def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]) -> set[int]:
     """Store verification outcomes of one checkpoint's shards (caller holds its lock); each is
     written iff the shard is still the file that was verified and no verification started after
@@ -223,15 +268,18 @@ def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]
     session synchronisation) cost 5 ms a shard, more than reading a small shard."""
     conn = session.connection()
     now = datetime.now(timezone.utc)
-    stored: set[int] = set()
-    for v in verdicts:
-        params = {
-            "b_id": v.shard_id, "b_size": v.stat.size, "b_mtime": v.stat.mtime_ns, "b_inode": v.stat.inode, "b_seq": v.seq,
-            "b_state": v.state.value, "b_at": now, "b_quarantined": v.state == ShardState.CORRUPT,
-            **{f"b_{c}": v.values.get(c) for c in _VERDICT_COLUMNS},
-        }
-        if conn.execute(_STORE_VERDICT, params).rowcount:
-            stored.add(v.shard_id)
+    if conn.dialect.name == "postgresql":
+        stored = _store_verdicts_values(conn, verdicts, now)
+    else:  # in-process SQLite: a statement per row costs microseconds, no round trip
+        stored = set()
+        for v in verdicts:
+            params = {
+                "b_id": v.shard_id, "b_size": v.stat.size, "b_mtime": v.stat.mtime_ns, "b_inode": v.stat.inode,
+                "b_seq": v.seq, "b_state": v.state.value, "b_at": now, "b_quarantined": v.state == ShardState.CORRUPT,
+                **{f"b_{c}": v.values.get(c) for c in _VERDICT_COLUMNS},
+            }
+            if conn.execute(_STORE_VERDICT, params).rowcount:
+                stored.add(v.shard_id)
     events = [
         {"checkpoint_id": ckpt_id, "shard_id": v.shard_id, "at": now, "kind": "shard", "outcome": v.state.value,
          "detail": v.values.get("error"), "seconds": v.seconds}

@@ -193,7 +193,17 @@ class Strategy:
         return out
 
     def replicas(self, name: str, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Global ranks grouped by identical slice of ``name`` (across all stages holding it)."""
+        """Global ranks grouped by identical slice of ``name`` (across all stages holding it).
+
+        Memoized per instance (the strategy is immutable): the daemon asks this for every
+        sampled parameter of every step, and the slice math over hundreds of ranks is not free."""
+        key = (name, tuple(full_shape))
+        memo = self.__dict__.setdefault("_replicas_memo", {})  # frozen: no attribute assignment
+        if key not in memo:
+            memo[key] = tuple(self._replicas(name, key[1]))
+        return list(memo[key])
+
+    def _replicas(self, name: str, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         groups: dict[Slice, list[int]] = {}
         holders = [e for e in self.entries if e.name == name]
         if not holders:

@@ -56,12 +56,13 @@ class Ingestor:
     # --- entry points --------------------------------------------------------------------------
 
     def rescan(self, should_stop: Callable[[], bool] = lambda: False) -> ScanReport:
-        """Reconcile everything under the root. Files whose size/mtime/inode match a settled
-        catalog row are skipped without being opened (one bulk select per rescan), so a rescan
-        of an unchanged tree costs a stat per file."""
+        """Reconcile everything under the root. Files whose size/mtime/inode match their catalog
+        row are not opened again (one bulk select per rescan), so a rescan of an unchanged tree
+        costs a stat per file; unchanged shards still waiting for verification are re-queued."""
         report = ScanReport()
         seen: set[str] = set()
         todo: list[str] = []
+        requeue: list[int] = []
         known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -79,14 +80,30 @@ class Ingestor:
                         if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
                             report.shards_seen += 1
                             seen.add(entry.path)
-                            if not self._unchanged(entry, known):
+                            state = self._unchanged(entry, known)
+                            if state is None:
                                 todo.append(entry.path)
+                            elif state[1] == ShardState.COMPLETE.value:
+                                requeue.append(state[0])  # parsed at ingest, not verified yet (e.g. a crash)
                             if len(todo) >= _BATCH:
                                 self._tally(self.examine_many(todo), report)
                                 todo = []
         self._tally(self.examine_many(todo), report)
+        if requeue:
+            self.submit(requeue)  # the verifier ignores ids it already has queued or in hand
+        for ckpt_id in self._steps_awaiting_checks(runs):
+            self.submit_step(ckpt_id)  # shards all verified, step checks never ran (e.g. a crash)
         report.shards_deleted = self._reconcile_deleted(seen)
         return report
+
+    def _steps_awaiting_checks(self, runs: list[str]) -> list[int]:
+        if not runs:
+            return []
+        with self.sessions() as s:
+            return list(s.execute(
+                select(Checkpoint.id).join(Run, Checkpoint.run_id == Run.id).where(
+                    Run.name.in_(runs), Checkpoint.state == StepState.PENDING.value, Checkpoint.step_checks_ok.is_(None))
+            ).scalars())
 
     @staticmethod
     def _tally(outcomes: dict[str, str], report: ScanReport) -> None:
@@ -96,25 +113,31 @@ class Ingestor:
             elif outcome == "unsettled":
                 report.unsettled.append(path)
 
-    def _known_stats(self) -> dict[str, tuple[int, int, int]]:
-        """(size, mtime_ns, inode) of every settled (verified/corrupt) shard under the root."""
+    def _known_stats(self) -> dict[str, tuple[int, int, int, int, str]]:
+        """(size, mtime_ns, inode, id, state) of every catalogued shard under the root that
+        needs no new examination while its file is unchanged: settled (verified/corrupt) ones,
+        and complete ones (they parsed at ingest and only wait for verification)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             rows = s.execute(
-                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
+                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state).where(
                     Shard.path.startswith(prefix, autoescape=True),
-                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value)),
+                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value)),
                 )
             ).all()
-        return {p: (size, mtime, inode) for p, size, mtime, inode in rows}
+        return {p: (size, mtime, inode, sid, state) for p, size, mtime, inode, sid, state in rows}
 
     @staticmethod
-    def _unchanged(entry: os.DirEntry, known: dict[str, tuple[int, int, int]]) -> bool:
+    def _unchanged(entry: os.DirEntry, known: dict[str, tuple[int, int, int, int, str]]) -> tuple[int, str] | None:
+        """(id, state) of the catalogued row if the file is the one catalogued, else None."""
+        row = known.get(entry.path)
+        if row is None:
+            return None
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:
-            return False
-        return known.get(entry.path) == (st.st_size, st.st_mtime_ns, st.st_ino)
+            return None
+        return (row[3], row[4]) if row[:3] == (st.st_size, st.st_mtime_ns, st.st_ino) else None
 
     def examine(self, path: str) -> str:
         """Bring the catalog in line with one path. Returns new|changed|same|unsettled|deleted|ignored."""

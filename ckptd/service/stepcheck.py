@@ -120,20 +120,32 @@ def _stage_params(strategy: Strategy, rank: int) -> Mapping[str, object]:
 def _check_shapes(opened: dict[int, CheckpointFile], strategy: Strategy) -> list[str]:
     problems: list[str] = []
     full_shapes: dict[str, tuple[int, ...]] = {}
+    stage_params: dict[int, Mapping[str, object]] = {}
+    # ranks of a stage share layouts: the slice math runs once per (parameter, stored shape)
+    shapes: dict[tuple[str, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]] | CkptdError] = {}
     for rank, ck in sorted(opened.items()):
         if rank >= strategy.world_size:
             continue
-        for name, e in _stage_params(strategy, rank).items():
+        stage, _ = strategy.stage_and_local(rank)
+        if stage not in stage_params:
+            stage_params[stage] = _stage_params(strategy, rank)
+        for name, e in stage_params[stage].items():
             ent = ck.entries.get(name)
             if ent is None:
                 problems.append(f"rank {rank}: strategy assigns {name!r} but the shard does not hold it")
                 continue
-            try:
-                full = e.tensor_shape or full_shape_from_local(e.layout, ent.shape)
-                want = local_shape(e.layout, full)
-            except CkptdError as err:
-                problems.append(f"rank {rank}: {name!r} {ent.shape}: {err.message}")
+            key = (name, stage, tuple(ent.shape))
+            if key not in shapes:
+                try:
+                    full = e.tensor_shape or full_shape_from_local(e.layout, ent.shape)
+                    shapes[key] = (full, local_shape(e.layout, full))
+                except CkptdError as err:
+                    shapes[key] = err
+            found = shapes[key]
+            if isinstance(found, CkptdError):
+                problems.append(f"rank {rank}: {name!r} {ent.shape}: {found.message}")
                 continue
+            full, want = found
             seen = full_shapes.setdefault(name, full)
             if seen != full:
                 problems.append(f"rank {rank}: {name!r} implies full shape {full}, other ranks {seen}")

@@ -142,9 +142,9 @@ class Verifier:
                     del self._steps[step]
                     batch: list[int] = []
                 else:
-                    # a fair share of what is queued, so both workers take part in a burst
-                    n = max(1, min(_BATCH, -(-len(self._pending) // len(self._workers))))
-                    batch = list(itertools.islice(self._pending, n))
+                    # whole batches, not a fair share: splitting a shrinking queue between workers
+                    # ends a burst in a tail of tiny batches, each paying two transactions
+                    batch = list(itertools.islice(self._pending, _BATCH))
                     for shard_id in batch:
                         del self._pending[shard_id]
                     self._inflight.update(batch)
