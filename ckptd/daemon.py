@@ -15,6 +15,7 @@ from sqlalchemy.orm import sessionmaker
 
 from ckptd.catalog.db import make_engine, require_current_schema
 from ckptd.errors import CkptdError
+from ckptd.format.index_cache import IndexCache
 from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
 from ckptd.service.retention import finish_pending, gc
@@ -33,8 +34,9 @@ class Daemon:
         self.engine = make_engine(settings.db)
         require_current_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self.verifier = Verifier(settings, self.sessions)
-        self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step)
+        index_cache = IndexCache()  # a new shard is opened by ingest, verification and step checks
+        self.verifier = Verifier(settings, self.sessions, index_cache)
+        self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache)
         self._stopping = threading.Event()
         self.watcher = Watcher(
             self.ingestor,

@@ -226,3 +226,42 @@ def test_read_range_spans_split_records(tmp_path):
         assert len(ent.segments) == 3 and ent.nbytes == arr.nbytes
         np.testing.assert_array_equal(ck.array("big"), arr)
         assert ck.read_range("big", 10, 50) == arr.tobytes()[10:60]
+
+
+def test_index_cache_reuses_a_parse_only_while_the_file_is_unchanged(tmp_path):
+    import os
+
+    from ckptd.format.ckpt import write_ckpt_stream
+    from ckptd.format.index_cache import IndexCache
+
+    path = tmp_path / "a.ckpt"
+    with open(path, "wb") as fh:
+        write_ckpt_stream(fh, [("w", np.arange(8, dtype=np.float32))], crc=True)
+    cache = IndexCache()
+    for _ in range(2):
+        with open_checkpoint(path, index_cache=cache) as ck:
+            assert ck.array("w").tolist() == list(range(8))
+    assert (cache.hits, cache.misses) == (1, 1)
+    # rewritten in place with the same size and the old mtime put back: ctime still moves
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        write_ckpt_stream(fh, [("v", np.arange(8, dtype=np.float32) * 2)], crc=True)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size
+    with open_checkpoint(path, index_cache=cache) as ck:
+        assert list(ck.entries) == ["v"] and ck.array("v").tolist() == [2.0 * i for i in range(8)]
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_index_cache_is_bounded_by_tensor_entries(tmp_path):
+    from ckptd.format.ckpt import write_ckpt_stream
+    from ckptd.format.index_cache import IndexCache
+
+    cache = IndexCache(max_entries=5)
+    for i in range(4):
+        path = tmp_path / f"{i}.ckpt"
+        with open(path, "wb") as fh:
+            write_ckpt_stream(fh, [("a", np.zeros(2, np.float32)), ("b", np.ones(2, np.float32))])
+        with open_checkpoint(path, index_cache=cache):
+            pass
+    assert cache._size <= 5 and len(cache._items) == 2  # two 2-entry indexes fit, older ones evicted

@@ -14,13 +14,12 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    Integer,
+    DateTime,
     Select,
     bindparam,
     distinct,
     func,
     insert,
-    or_,
     select,
     text,
     update,
@@ -211,21 +210,6 @@ class Verdict:
 
 
 _VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error")
-_t = Shard.__table__.c
-_STORE_VERDICT = (
-    update(Shard.__table__)
-    .where(
-        _t.id == bindparam("b_id"), _t.size == bindparam("b_size"), _t.mtime_ns == bindparam("b_mtime"),
-        _t.inode == bindparam("b_inode"), _t.state != ShardState.DELETED.value,
-        or_(bindparam("b_seq", type_=Integer) == None, _t.verify_seq == bindparam("b_seq", type_=Integer)),  # noqa: E711
-    )
-    .values(
-        state=bindparam("b_state"), verified_at=bindparam("b_at"), quarantined=bindparam("b_quarantined"),
-        **{c: bindparam(f"b_{c}") for c in _VERDICT_COLUMNS},
-    )
-)
-
-
 _PG_ARRAY_TYPES = {"digest": "varchar[]", "format": "varchar[]", "encryption": "varchar[]", "crc": "varchar[]",
                    "global_step": "bigint[]", "error_code": "varchar[]", "error": "text[]"}
 _PG_STORE_VERDICTS = text(
@@ -237,10 +221,10 @@ _PG_STORE_VERDICTS = text(
     + ") AS v(id, size, mtime, inode, seq, state, " + ", ".join(_VERDICT_COLUMNS) + ")"
     " WHERE s.id = v.id AND s.size = v.size AND s.mtime_ns = v.mtime AND s.inode = v.inode AND s.state <> 'deleted'"
     " AND (v.seq IS NULL OR s.verify_seq = v.seq) RETURNING s.id"
-)
+).bindparams(bindparam("at", type_=DateTime(timezone=True)))
 
 
-def _store_verdicts_values(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
+def _store_verdicts_pg(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
     """PostgreSQL: all verdicts in one ``UPDATE … FROM unnest(arrays) … RETURNING`` — one round
     trip instead of one per shard, and constant SQL text (a VALUES list of N rows would be
     compiled anew for every batch size, which costs more than the round trips it saves)."""
@@ -259,6 +243,30 @@ def _store_verdicts_values(conn: Connection, verdicts: list[Verdict], now: datet
     return set(conn.execute(_PG_STORE_VERDICTS, params).scalars())
 
 
+_SQLITE_STORE_VERDICTS = text(
+    "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
+    + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
+    + " FROM (SELECT " + ", ".join(
+        f"json_extract(value, '$[{i}]') AS {c}"
+        for i, c in enumerate(("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)))
+    + " FROM json_each(:rows)) AS v"
+    " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
+    " AND shards.state <> 'deleted' AND (v.seq IS NULL OR shards.verify_seq = v.seq) RETURNING shards.id"
+).bindparams(bindparam("at", type_=DateTime(timezone=True)))  # stored exactly as the ORM stores it
+
+
+def _store_verdicts_sqlite(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
+    """SQLite: the same single statement, the rows passed as one JSON array (SQLite has no arrays)."""
+    import json
+
+    rows = [
+        [v.shard_id, v.stat.size, v.stat.mtime_ns, v.stat.inode, v.seq, v.state.value,
+         *(v.values.get(c) for c in _VERDICT_COLUMNS)]
+        for v in verdicts
+    ]
+    return set(conn.execute(_SQLITE_STORE_VERDICTS, {"rows": json.dumps(rows), "at": now}).scalars())
+
+
 def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]) -> set[int]:
     """Store verification outcomes of one checkpoint's shards (caller holds its lock); each is
     written iff the shard is still the file that was verified and no verification started after
@@ -268,18 +276,12 @@ def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]
     session synchronisation) cost 5 ms a shard, more than reading a small shard."""
     conn = session.connection()
     now = datetime.now(timezone.utc)
+    if not verdicts:
+        return set()
     if conn.dialect.name == "postgresql":
-        stored = _store_verdicts_values(conn, verdicts, now)
-    else:  # in-process SQLite: a statement per row costs microseconds, no round trip
-        stored = set()
-        for v in verdicts:
-            params = {
-                "b_id": v.shard_id, "b_size": v.stat.size, "b_mtime": v.stat.mtime_ns, "b_inode": v.stat.inode,
-                "b_seq": v.seq, "b_state": v.state.value, "b_at": now, "b_quarantined": v.state == ShardState.CORRUPT,
-                **{f"b_{c}": v.values.get(c) for c in _VERDICT_COLUMNS},
-            }
-            if conn.execute(_STORE_VERDICT, params).rowcount:
-                stored.add(v.shard_id)
+        stored = _store_verdicts_pg(conn, verdicts, now)
+    else:
+        stored = _store_verdicts_sqlite(conn, verdicts, now)
     events = [
         {"checkpoint_id": ckpt_id, "shard_id": v.shard_id, "at": now, "kind": "shard", "outcome": v.state.value,
          "detail": v.values.get("error"), "seconds": v.seconds}

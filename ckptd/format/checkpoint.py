@@ -26,6 +26,7 @@ from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.crc import crc32, parallel_crc32
 from ckptd.format.dtypes import numpy_dtype
 from ckptd.format.entry import TensorEntry
+from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import ByteSource, MmapSource
 
 Format = Literal["ckpt", "safetensors"]
@@ -184,8 +185,10 @@ def open_checkpoint(
     *,
     mode: crypto.EncMode | None = None,
     workers: int | None = None,
+    index_cache: IndexCache | None = None,
 ) -> CheckpointFile:
-    """Open and index a checkpoint. ``key`` decrypts encrypted ``.ckpt`` files (mode auto-detected)."""
+    """Open and index a checkpoint. ``key`` decrypts encrypted ``.ckpt`` files (mode auto-detected).
+    ``index_cache`` reuses the record index of a plaintext ``.ckpt`` opened before, unchanged."""
     path = os.fspath(path)
     fmt, enc = sniff_format(path)
     if enc is None and key is not None:
@@ -207,7 +210,14 @@ def open_checkpoint(
             crc = None if sti.crc_stored is None else CrcInfo(sti.crc_stored, None)
             entries = {e.name: e for e in sti.entries}
             return CheckpointFile(path, fmt, None, entries, crc, dict(sti.metadata), (), source, sti)
-        idx = ckpt_fmt.index_ckpt(source)
+        idx = None
+        if index_cache is not None and isinstance(source, MmapSource):
+            cache_key = index_cache.key_for(path, source.stat)
+            idx = index_cache.get(cache_key)
+        if idx is None:
+            idx = ckpt_fmt.index_ckpt(source)
+            if index_cache is not None and isinstance(source, MmapSource):
+                index_cache.put(cache_key, idx)
         crc = None if idx.crc is None else CrcInfo(idx.crc.stored, idx.crc.offset)
         problems = tuple(p.with_path(path) for p in idx.problems)
         trailer = getattr(source, "trailer", b"")

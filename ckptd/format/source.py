@@ -43,7 +43,8 @@ class MmapSource:
             raise CkptdError("is a directory, not a checkpoint file", path=self.path) from None
         except PermissionError:
             raise CkptdError("permission denied", path=self.path, hint="run as a user that can read the file") from None
-        self.size = os.fstat(self._fd).st_size
+        self.stat = os.fstat(self._fd)  # of the descriptor: what is mapped is this file, not a later one
+        self.size = self.stat.st_size
         self._mm: mmap.mmap | None = None
         self._buf = memoryview(b"")
         if self.size:

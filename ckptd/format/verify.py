@@ -9,12 +9,13 @@ a corrupt length can be trusted); semantic problems are collected and the walk c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ckptd.errors import ChecksumMismatchError, CkptdError, CorruptError
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
+from ckptd.format.index_cache import IndexCache
 
 CrcState = Literal["valid", "invalid", "absent", "unchecked"]
 
@@ -72,6 +73,7 @@ def verify_file(
     require_crc: bool = False,
     workers: int | None = None,
     inspect: Callable[[CheckpointFile], object] | None = None,
+    index_cache: IndexCache | None = None,
 ) -> FileReport:
     """Check a file completely; never raises for bad file content (it becomes a problem).
 
@@ -84,7 +86,7 @@ def verify_file(
     report = FileReport(path=os.fspath(path))
     try:
         report.size = os.path.getsize(report.path)
-        ckpt = open_checkpoint(report.path, key, workers=workers)
+        ckpt = open_checkpoint(report.path, key, workers=workers, index_cache=index_cache)
     except CkptdError as err:
         report.add(err)
         return report

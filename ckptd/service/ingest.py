@@ -22,6 +22,7 @@ from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
+from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
 from ckptd.settings import Settings
 from ckptd.states import ShardState, StepState
@@ -45,6 +46,7 @@ class Ingestor:
         sessions: sessionmaker[Session],
         submit: Callable[[list[int]], None],
         submit_step: Callable[[int], None],
+        index_cache: IndexCache | None = None,
     ) -> None:
         self.root = str(settings.root)
         self.settings = settings
@@ -52,6 +54,7 @@ class Ingestor:
         self.submit = submit  # shards need verification
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
+        self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
 
     # --- entry points --------------------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class Ingestor:
     def _parse_error(self, path: str) -> CkptdError | None:
         """'complete' requires that the file parses; this reads record headers only."""
         try:
-            with open_checkpoint(path, self.key):
+            with open_checkpoint(path, self.key, index_cache=self.index_cache):
                 return None
         except CkptdError as err:
             return err

@@ -21,6 +21,7 @@ import xxhash
 
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
+from ckptd.format.index_cache import IndexCache
 from ckptd.format.layout import full_shape_from_local, local_shape
 from ckptd.format.strategy import Strategy
 
@@ -74,6 +75,7 @@ def check_step(
     replica_mode: Literal["off", "sample", "full"] = "sample",
     sample: int = 8,
     seed: str = "",
+    index_cache: IndexCache | None = None,
 ) -> list[str]:
     problems: list[str] = []
     by_rank: dict[int, ShardRef] = {}
@@ -92,7 +94,7 @@ def check_step(
     try:
         for rank, ref in sorted(by_rank.items()):
             try:
-                opened[rank] = open_checkpoint(ref.path, key)
+                opened[rank] = open_checkpoint(ref.path, key, index_cache=index_cache)
             except CkptdError as err:
                 problems.append(f"rank {rank}: {err}")
         for rank, ck in sorted(opened.items()):

@@ -16,8 +16,8 @@ import logging
 import os
 import threading
 import time
-from datetime import datetime, timedelta, timezone
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 
 import xxhash
 from sqlalchemy import func, select
@@ -26,11 +26,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
 from ckptd.errors import CkptdError
+from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
 from ckptd.format.verify import verify_file
-from ckptd.service.stepcheck import ShardRef, check_step, content_step
 from ckptd.runlayout import sidecar_for
+from ckptd.service.stepcheck import ShardRef, check_step, content_step
 from ckptd.settings import Settings
 from ckptd.states import ShardState
 
@@ -91,8 +92,9 @@ class _Outcome:
 class Verifier:
     """Call order: ``submit([ids])`` / ``submit_step(id)`` any time → ``drain()`` → ``close()``."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None) -> None:
         self.settings = settings
+        self.index_cache = index_cache
         self.sessions = sessions
         self.key = settings.encryption_key()
         self._cond = threading.Condition()
@@ -286,7 +288,8 @@ class Verifier:
 
     def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
         values: dict[str, object] = {"digest": file_digest(path)}
-        report = verify_file(path, self.key, require_crc=self.settings.require_crc, inspect=content_step)
+        report = verify_file(path, self.key, require_crc=self.settings.require_crc, inspect=content_step,
+                             index_cache=self.index_cache)
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         if report.ok:
             values["global_step"] = report.inspected
@@ -345,7 +348,8 @@ class Verifier:
             strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
         t0 = time.perf_counter()
-        problems = check_step(refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed)
+        problems = check_step(refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed,
+                              index_cache=self.index_cache)
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
