@@ -16,7 +16,8 @@ then compare every output tensor of both tools bitwise. ckptd's time includes wh
 not do: fsync of every file and directory, and re-reading + digest-verifying every output.
 
 Usage: ``.venv/bin/python bench/convert.py [--gib 2.25] [--targets tp2,none] [--repeat N] [--workdir DIR] [--keep]``
-(on a shared/noisy machine use ``--repeat 3``: best time and worst peak RSS of each tool are shown).
+(on a shared/noisy machine use ``--repeat 3``: every run is printed as it ends, with the 1-minute load
+average around it; the summary shows each tool's best time and worst peak RSS).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def build(work: Path, gib: float) -> list[tuple[str, int]]:
     rng = np.random.default_rng(0)
     base = rng.standard_normal((HIDDEN, HIDDEN), dtype=np.float32)
     for rank in range(4):
-        def items():
+        def items(rank: int = rank):
             for i, e in enumerate(src.entries):
                 full = base + np.float32(i)  # distinct, deterministic content per parameter
                 s = slice_for_rank(e.layout, full.shape, rank)
@@ -158,12 +159,19 @@ def main() -> None:
     size = sum(f.stat().st_size for f in (work / "src").rglob("*.ckpt"))
     print(f"source: 4 ranks (tp=4), {size / 2**30:.2f} GiB, built in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
+    print("per run: | case | run | MindSpore call | ckptd call | speed-up | MindSpore peak RSS | ckptd peak RSS "
+          "| 1-min load average before -> after |", flush=True)
     try:
         for target in args.targets.split(","):
             runs: dict[str, list[dict]] = {"ms": [], "ckptd": []}
-            for _ in range(max(1, args.repeat)):  # alternate so background load hits both alike
+            for run in range(max(1, args.repeat)):  # alternate so background load hits both alike
+                load0 = os.getloadavg()[0]
                 for tool in ("ms", "ckptd"):
                     runs[tool].append(measure(tool, work, target))
+                m, c = runs["ms"][-1], runs["ckptd"][-1]
+                print(f"run | tp4 -> {target} | {run + 1} | {m['call_s']:.2f} s | {c['call_s']:.2f} s | "
+                      f"{m['call_s'] / c['call_s']:.1f}x | {m['peak_rss'] / 2**30:.2f} GiB | {c['peak_rss'] / 2**30:.2f} GiB "
+                      f"({c['peak_rss'] / m['peak_rss']:.0%}) | {load0:.1f} -> {os.getloadavg()[0]:.1f} |", flush=True)
             res = {tool: {"call_s": min(r["call_s"] for r in rs), "wall_s": min(r["wall_s"] for r in rs),
                           "peak_rss": max(r["peak_rss"] for r in rs), "out": rs[-1]["out"]} for tool, rs in runs.items()}
             tensors, nbytes = compare(res["ms"]["out"], res["ckptd"]["out"])

@@ -17,11 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from ckptd.cli.convert_cmd import main as cli_main
-from ckptd.convert import ConvertError, convert, plan_from_dir
-from ckptd.errors import CkptdError
-from ckptd.format.checkpoint import open_checkpoint
 from test_convert_helpers import (
     SHAPES,
     Spec,
@@ -32,6 +27,11 @@ from test_convert_helpers import (
     write_sources,
     write_strategy,
 )
+
+from ckptd.cli.convert_cmd import main as cli_main
+from ckptd.convert import ConvertError, convert, plan_from_dir
+from ckptd.errors import CkptdError
+from ckptd.format.checkpoint import open_checkpoint
 
 NON_LAYOUT = {"global_step", "epoch_num", "step_num"}
 
@@ -139,8 +139,9 @@ def test_encrypted_in_encrypted_out_loads_in_mindspore(ms, tmp_path):
     spec, dst = Spec(2, 2), Spec(4)
     full = full_tensors(5)
     strategy = build_strategy(spec)
-    from ckptd.format.layout import slice_for_rank
     from test_convert_helpers import ms_tensor
+
+    from ckptd.format.layout import slice_for_rank
 
     for rank in range(spec.world):
         d = tmp_path / "src" / f"rank_{rank}"
@@ -406,3 +407,85 @@ def test_errors_are_ckptd_errors(tmp_path):
     (tmp_path / "src" / "rank_0" / "x.ckpt").write_bytes(b"\x0a\x05garbage")
     with pytest.raises(CkptdError):
         plan_from_dir(tmp_path / "src", None, None)
+
+
+def test_streamed_output_is_byte_identical_to_write_checkpoint(tmp_path, monkeypatch):
+    """The executor frames bands into records itself: its bytes must be write_checkpoint's (which
+    tests/test_ckpt_format.py pins to MindSpore's), also when records split (small SLICE_BYTES)
+    and bands cross record boundaries (small BAND_BYTES), for zero-copy and assembled bands."""
+    from ckptd.convert import plan_types
+    from ckptd.format import ckpt as ckpt_fmt
+    from ckptd.format.checkpoint import write_checkpoint
+    from ckptd.format.ckpt import TypedArray
+    from ckptd.format.layout import TensorLayout, slice_for_rank
+    from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+
+    monkeypatch.setattr(ckpt_fmt, "SLICE_BYTES", 5000)
+    monkeypatch.setattr(plan_types, "BAND_BYTES", 3000)
+    rng = np.random.default_rng(3)
+    full = {
+        "rows": rng.standard_normal((64, 24), dtype=np.float32),  # split on dim 0: zero-copy bands
+        "cols": rng.standard_normal((40, 32), dtype=np.float32),  # split on dim 1: assembled bands
+        "bf": TypedArray("BFloat16", rng.integers(0, 2**16, (16, 8), dtype=np.uint16)),
+        "vec": rng.integers(-9, 9, (4096,), dtype=np.int64),  # replicated, split into records
+    }
+    maps = {"rows": (0, -1), "cols": (-1, 0), "bf": (0, -1), "vec": (-1,)}
+    strategy = Strategy.build([ParamStrategy(n, TensorLayout((2,), m)) for n, m in maps.items()])
+    save_strategy(strategy, tmp_path / "a.ckpt")
+    for rank in range(2):
+        items = []
+        for name, value in full.items():
+            arr = value.data if isinstance(value, TypedArray) else value
+            part = np.ascontiguousarray(arr[slice_for_rank(TensorLayout((2,), maps[name]), arr.shape, rank).index])
+            items.append((name, TypedArray(value.dtype, part) if isinstance(value, TypedArray) else part))
+        items += [("global_step", np.array([7], np.int32)), ("note", "hello"), ("lr", 0.5)]
+        (tmp_path / "src" / f"rank_{rank}").mkdir(parents=True)
+        write_checkpoint(tmp_path / "src" / f"rank_{rank}" / "net-1_7.ckpt", items, crc=True)
+    convert(tmp_path / "src", str(tmp_path / "a.ckpt"), None, tmp_path / "out")
+    expected = tmp_path / "expected.ckpt"
+    write_checkpoint(expected, [*full.items(), ("global_step", np.array([7], np.int32)), ("note", "hello"),
+                                ("lr", 0.5)], crc=True)
+    assert (tmp_path / "out" / "rank_0" / "checkpoint_0.ckpt").read_bytes() == expected.read_bytes()
+    # and back to tp=2: each rank's file equals write_checkpoint of its slices
+    convert(tmp_path / "out", None, str(tmp_path / "a.ckpt"), tmp_path / "back")
+    for rank in range(2):
+        got = (tmp_path / "back" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt").read_bytes()
+        assert got == (tmp_path / "src" / f"rank_{rank}" / "net-1_7.ckpt").read_bytes()
+
+
+def test_verifier_catches_a_flipped_byte(tmp_path):
+    """The verifier's digests of the re-read output match the sources' for a good file and fail
+    (ConvertError, nothing reported done) when one payload byte differs."""
+    from ckptd.convert.plan import ConversionPlan
+    from ckptd.convert.sources import OpenSources, region_digest
+    from ckptd.convert.verify import check_index, verify_pieces
+    from ckptd.format.layout import TensorLayout
+    from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+
+    _big_sources(tmp_path / "src", 2, 64)
+    save_strategy(Strategy.build([ParamStrategy(f"w{i}", TensorLayout((2,), (0, -1))) for i in range(4)]),
+                  tmp_path / "a.ckpt")
+    report = convert(tmp_path / "src", str(tmp_path / "a.ckpt"), None, tmp_path / "out")
+    plan: ConversionPlan = report.plan
+    (rank,) = plan.ranks
+    path = report.ranks[0].path
+    sources = OpenSources(plan.src_files, None)
+    try:
+        digests = {t.name: [region_digest(sources.get(p.src_rank), t.name, p.src_region) for p in t.pieces]
+                   for t in rank.tasks}
+    finally:
+        sources.close()
+    data = bytearray(Path(path).read_bytes())
+    with open_checkpoint(path) as cf:
+        written = {n: tuple(e.segments) for n, e in cf.entries.items()}
+    assert check_index(path, None, rank.tasks, written, {}) == 0
+    buf = np.empty(1 << 20, np.uint8)
+    task = next(t for t in rank.tasks if t.name == "w2")
+    view = memoryview(data)
+    assert verify_pieces(task, written["w2"], digests["w2"], lambda o, n: view[o : o + n], buf, path) == 2
+    off, length = written["w2"][0]
+    data[off + length - 3] ^= 0x40  # in the piece read from source rank 1
+    with pytest.raises(ConvertError, match=r"verification failed: 'w2' region \[64, 0\].*source rank 1"):
+        verify_pieces(task, written["w2"], digests["w2"], lambda o, n: view[o : o + n], buf, path)
+    with pytest.raises(ConvertError, match="indexed at"):
+        check_index(path, None, rank.tasks, {**written, "w1": ((0, 1),)}, {})

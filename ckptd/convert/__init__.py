@@ -4,14 +4,17 @@ Public surface: :func:`plan_conversion` / :func:`plan_from_dir` (pure planning, 
 :func:`convert` (streaming, verified, atomic execution) returning a :class:`ConvertReport`,
 :func:`derive_strategy` (``--to-layout``), and :class:`ConvertError`. Names resolve lazily so that
 importing the package stays cheap.
+
+Modules: ``plan`` (which source bytes land where) over ``plan_types`` (the plan's dataclasses,
+rendering, memory estimate); ``execute`` (per-rank pipeline, atomic output) over ``sources``
+(finding and reading inputs), ``assemble`` (bands), ``writers`` (record bytes) and ``verify``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckptd._lazy import lazy_exports
 
-_EXPORTS = {
+__all__, __getattr__ = lazy_exports(__name__, {
     "ConvertError": "ckptd.convert.plan",
     "ConversionPlan": "ckptd.convert.plan",
     "SourceShard": "ckptd.convert.plan",
@@ -23,12 +26,4 @@ _EXPORTS = {
     "find_source_files": "ckptd.convert.execute",
     "derive_strategy": "ckptd.convert.layouts",
     "parse_layout_spec": "ckptd.convert.layouts",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ckptd.convert' has no attribute {name!r}")
+})

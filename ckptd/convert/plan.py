@@ -32,163 +32,34 @@ Rules (the same as ``mindspore.transform_checkpoints`` unless said otherwise):
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from ckptd.errors import CkptdError, LayoutError
-from ckptd.format.dtypes import STR_TYPE, MS_DTYPES, itemsize
+from ckptd.convert.plan_types import (  # re-exported: ckptd.convert.plan is where callers import them from
+    CHUNK_BYTES,
+    MAP_TENSOR_TYPE,
+    RANK_ID_ENTRY,
+    ConversionPlan,
+    ConvertError,
+    Piece,
+    RankPlan,
+    ShardEntry,
+    SourceShard,
+    TaskKind,
+    TensorTask,
+    estimate_peak,
+)
+from ckptd.errors import LayoutError
+from ckptd.format.dtypes import MS_DTYPES, STR_TYPE
 from ckptd.format.layout import Slice, TensorLayout, full_shape_from_local, local_shape, slice_for_rank
 from ckptd.format.strategy import Strategy
 
-RANK_ID_ENTRY = "rank_id"
-MAP_TENSOR_TYPE = "MapTensor"
+__all__ = [
+    "CHUNK_BYTES", "MAP_TENSOR_TYPE", "RANK_ID_ENTRY", "ConversionPlan", "ConvertError", "Piece", "RankPlan",
+    "ShardEntry", "SourceShard", "TaskKind", "TensorTask", "plan_conversion",
+]
+
 _MAX_LISTED = 12  # problems listed in one ConvertError
-#: the executor reads sources in row chunks of about this many bytes (mapped pages are released
-#: after each), so reading adds roughly this much to the peak on top of the destination slice.
-CHUNK_BYTES = 64 << 20
-
-
-class ConvertError(CkptdError):
-    """A conversion that cannot be done exactly; raised before any output is written."""
-
-    code = "convert_impossible"
-    default_hint = "check that --src-strategy describes the source files and --to-strategy the target job"
-
-
-# --- inputs ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardEntry:
-    """One entry of a source file, as indexed (no data)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class SourceShard:
-    """What one source rank's checkpoint file holds, in file order."""
-
-    rank: int
-    path: str
-    entries: tuple[ShardEntry, ...]
-
-    def get(self, name: str) -> ShardEntry | None:
-        for e in self.entries:
-            if e.name == name:
-                return e
-        return None
-
-
-# --- outputs ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Copy ``src_region`` of source rank ``src_rank``'s shard into ``dst_region`` of the slice.
-
-    Both regions are in *local* coordinates (of the source shard and of the destination slice).
-    """
-
-    src_rank: int
-    src_region: Slice
-    dst_region: Slice
-    src_shape: tuple[int, ...]  # shape of the source shard (for byte-span estimates)
-
-
-TaskKind = Literal["reshard", "copy", "rank_id"]
-
-
-@dataclass(frozen=True)
-class TensorTask:
-    """One entry of a destination file. ``dst_slice`` is in full-tensor coordinates."""
-
-    name: str
-    dtype: str
-    kind: TaskKind
-    full_shape: tuple[int, ...]
-    dst_slice: Slice
-    pieces: tuple[Piece, ...]
-
-    @property
-    def nbytes(self) -> int:
-        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
-            return 0
-        return self.dst_slice.numel * itemsize(self.dtype)
-
-    @property
-    def bytes_read(self) -> int:
-        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
-            return 0
-        return sum(p.src_region.numel for p in self.pieces) * itemsize(self.dtype)
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """Everything destination rank ``rank`` will hold and where it comes from."""
-
-    rank: int
-    stage: int
-    local_rank: int
-    tasks: tuple[TensorTask, ...]
-    src_ranks: tuple[int, ...]
-    bytes_out: int
-    bytes_read: int
-    peak_bytes: int  # estimated extra memory to convert this rank (largest slice + its reads)
-
-
-@dataclass(frozen=True)
-class ConversionPlan:
-    src_world: int
-    src_stage_devices: int
-    dst_world: int  # ranks of the whole destination layout (1 when unsharded)
-    dst_stage_devices: int
-    ranks: tuple[RankPlan, ...]  # the ranks to convert (all, or the ones asked for)
-    src_files: Mapping[int, str]
-    notes: tuple[str, ...] = ()
-    src_strategy_hash: str | None = None
-    dst_strategy_hash: str | None = None
-    layout_params: tuple[str, ...] = field(default=())
-
-    @property
-    def bytes_out(self) -> int:
-        return sum(r.bytes_out for r in self.ranks)
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(r.bytes_read for r in self.ranks)
-
-    @property
-    def peak_bytes(self) -> int:
-        return max((r.peak_bytes for r in self.ranks), default=0)
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "src_world": self.src_world,
-            "dst_world": self.dst_world,
-            "src_strategy_hash": self.src_strategy_hash,
-            "dst_strategy_hash": self.dst_strategy_hash,
-            "bytes_out": self.bytes_out,
-            "bytes_read": self.bytes_read,
-            "peak_bytes_per_worker": self.peak_bytes,
-            "notes": list(self.notes),
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "stage": r.stage,
-                    "src_ranks": list(r.src_ranks),
-                    "src_files": [self.src_files[s] for s in r.src_ranks],
-                    "tensors": len(r.tasks),
-                    "bytes_out": r.bytes_out,
-                    "bytes_read": r.bytes_read,
-                    "peak_bytes": r.peak_bytes,
-                }
-                for r in self.ranks
-            ],
-        }
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -216,18 +87,6 @@ def _check_stage_file(strategy: Strategy | None, which: str) -> None:
             path=strategy.source_path,
             hint="merge the strategy files of all stages first (mindspore.merge_pipeline_strategys)",
         )
-
-
-def _span_bytes(region: Slice, shape: tuple[int, ...], isize: int) -> int:
-    """Bytes between the first and last element of ``region`` in a C-order array of ``shape``."""
-    if region.numel == 0:
-        return 0
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    first = sum(o * s for o, s in zip(region.offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(region.offsets, region.sizes, strides))
-    return (last - first + 1) * isize
 
 
 @dataclass(frozen=True)
@@ -506,13 +365,6 @@ def _plan_rank(rank: int, dst: Strategy | None, dst_dev: int, src_dev: int, psrc
             used.setdefault(src_rank, None)
         tasks.append(TensorTask(name, e.dtype, kind, e.shape, whole, pieces))
     tasks.sort(key=lambda t: order[t.name])
-    peak = 0
-    for t in tasks:
-        if t.dtype == STR_TYPE or t.dtype not in MS_DTYPES:
-            continue
-        isz = itemsize(t.dtype)
-        span = max((_span_bytes(p.src_region, p.src_shape, isz) for p in t.pieces), default=0)
-        peak = max(peak, t.nbytes + 2 * min(span, CHUNK_BYTES))
     return RankPlan(
         rank=rank,
         stage=stage,
@@ -521,6 +373,6 @@ def _plan_rank(rank: int, dst: Strategy | None, dst_dev: int, src_dev: int, psrc
         src_ranks=tuple(sorted(used)),
         bytes_out=sum(t.nbytes for t in tasks),
         bytes_read=sum(t.bytes_read for t in tasks),
-        peak_bytes=peak,
+        peak_bytes=estimate_peak(tasks),
     )
 

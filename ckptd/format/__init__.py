@@ -7,10 +7,9 @@ implementation detail. Names resolve lazily so importing one submodule stays che
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckptd._lazy import lazy_exports
 
-_EXPORTS = {
+__all__, __getattr__ = lazy_exports(__name__, {
     "CheckpointFile": "ckptd.format.checkpoint",
     "open_checkpoint": "ckptd.format.checkpoint",
     "write_checkpoint": "ckptd.format.checkpoint",
@@ -20,12 +19,4 @@ _EXPORTS = {
     "FileReport": "ckptd.format.verify",
     "verify_file": "ckptd.format.verify",
     "load_strategy": "ckptd.format.strategy",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ckptd.format' has no attribute {name!r}")
+})
