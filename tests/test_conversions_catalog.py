@@ -88,6 +88,22 @@ def test_cli_convert_from_the_catalog(ms, root, catalog_url):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["state"] == "done" and doc["report"]["verified"]
+    out_file = doc["report"]["ranks"][0]["path"] if "ranks" in doc["report"] else None
+    before = os.stat(out_file) if out_file else None
+    # the same conversion again is done already: the intact copy is returned, nothing rewritten
+    again = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy",
+                            "none", "--json"], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr
+    redo = json.loads(again.stdout)
+    assert redo["reused"] is True and redo["id"] == doc["id"] and redo["out_dir"] == doc["out_dir"]
+    if out_file:
+        assert os.stat(out_file).st_mtime_ns == before.st_mtime_ns
+    assert query(catalog_url, "SELECT count(*) FROM conversion_jobs")[0][0] == 1
+    # a copy changed on disk is not reused; converting again refuses to overwrite it
+    victim = next(os.path.join(d, f) for d, _, fs in os.walk(doc["out_dir"]) for f in fs if f.endswith(".ckpt"))
+    os.chmod(victim, 0o600)
+    with open(victim, "ab") as fh:
+        fh.write(b"x")
     refused = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy",
                               "none"], capture_output=True, text=True, env=env)
     assert refused.returncode == 1 and "refusing to overwrite" in refused.stderr and "Traceback" not in refused.stderr

@@ -174,6 +174,9 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
+    elif doc.get("reused"):
+        print(f"run {args.run} step {args.step} is already converted to target {doc['target_strategy_hash'][:19]}: "
+              f"{doc['out_dir']} (unchanged since it was verified; nothing rewritten)")
     else:
         print(f"converted run {args.run} step {args.step} -> {doc['out_dir']} (catalogued as a converted copy, "
               f"target {doc['target_strategy_hash'][:19]}); every slice verified")

@@ -84,6 +84,11 @@ def convert_step(
     target = resolve_target(src_strategy, to_strategy, to_layout)
     target_hash = target.content_hash() if target is not None else "none"
     out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
+    with sessions.begin() as s:
+        reused = _intact_copy(s, src_id, target_hash, out)
+        if reused is not None:  # converting the same step into the same layout again: it is done
+            s.get(Checkpoint, src_id).lease_until = None
+            return reused
     plan = plan_conversion(read_inventory(files, key), src_strategy, target)
     with sessions.begin() as s:
         job = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
@@ -111,7 +116,26 @@ def convert_step(
     with sessions.begin() as s:
         row = s.get(ConversionJob, job_id)
         row.state, row.progress, row.output_checkpoint_id = "done", 1.0, derived
-        return conversion_dict(row, s) | {"report": report.to_dict()}
+        return conversion_dict(row, s) | {"report": report.to_dict(), "reused": False}
+
+
+def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
+    """The finished conversion of this step into this layout at ``out``, if its files are still
+    the ones catalogued (converted copies are not watched, so check size/mtime/inode here)."""
+    copy = s.execute(select(Checkpoint).where(
+        Checkpoint.derived_from_id == src_id, Checkpoint.kind == "converted", Checkpoint.layout == target_hash,
+        Checkpoint.state == StepState.VERIFIED.value)).scalars().first()
+    if copy is None:
+        return None
+    job = s.execute(select(ConversionJob).where(
+        ConversionJob.output_checkpoint_id == copy.id, ConversionJob.state == "done", ConversionJob.out_dir == out,
+    ).order_by(ConversionJob.id.desc())).scalars().first()
+    if job is None:
+        return None
+    shards = s.execute(select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(Shard.checkpoint_id == copy.id)).all()
+    if not shards or any(stat_of(p) != repo.FileStat(size, mtime, inode) for p, size, mtime, inode in shards):
+        return None  # changed or gone: converting again will say what is in the way
+    return conversion_dict(job, s) | {"reused": True}
 
 
 def _register(sessions, meta, src_id, target, target_hash, strategy_path, report) -> int:  # noqa: ANN001
