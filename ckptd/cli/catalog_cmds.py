@@ -118,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             hint="configure tokens (--token-file or CKPTD_TOKENS) or listen on 127.0.0.1",
         )
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                access_log=settings.access_log)
     return 0
 
 
