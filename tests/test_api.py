@@ -298,3 +298,128 @@ def test_cached_answer_never_survives_a_change_with_an_older_timestamp(ms, root,
     engine.dispose()
     doc = reader.get("/v1/runs/run1/resume").json()
     assert doc["step"] == 100 and doc["skipped"] == [{"step": 200, "reason": "corrupt: late"}]
+
+
+# --- the cache's invalidation paths: any writer (another daemon, the CLI, an operator's SQL) -----
+
+@pytest.fixture
+def quiet_server(root, catalog_url):
+    """A server whose watcher only rescans when told: catalog edits below stay as written."""
+    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=3600, tokens=TOKENS)
+    with Server(settings) as srv:
+        yield srv
+
+
+def _sql(server, *statements):
+    """Statements in one transaction on a connection of its own (as another process would write)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(server.app.state.settings.db.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:
+        for statement in statements:
+            conn.execute(text(statement))
+    engine.dispose()
+
+
+_CKPT_200 = "(SELECT id FROM checkpoints WHERE step = 200 AND kind = 'trained')"
+
+
+@pytest.mark.parametrize(
+    "params, statements, expect",
+    [
+        pytest.param({}, [f"UPDATE shards SET path = path || '.moved' WHERE rank = 1 AND checkpoint_id = {_CKPT_200}"],
+                     lambda doc: doc["step"] == 200 and doc["shards"][1]["path"].endswith(".moved"), id="shard-path"),
+        pytest.param({}, [f"UPDATE shards SET state = 'corrupt' WHERE rank = 1 AND checkpoint_id = {_CKPT_200}"],
+                     lambda doc: doc["step"] == 200 and [s["rank"] for s in doc["shards"]] == [0], id="shard-leaves-verified"),
+        pytest.param({}, ["UPDATE strategy_files SET path = path || '.old'"],
+                     lambda doc: doc["strategy_file"].endswith(".old"), id="strategy-path"),
+        pytest.param({}, ["UPDATE checkpoints SET global_step = 12345 WHERE step = 200"],
+                     lambda doc: doc["step"] == 12345, id="global-step"),
+        pytest.param({}, [("INSERT INTO step_health (run_id, step, loss_nonfinite, overflow, reported_at) "
+                           "SELECT id, 150, 'nan', FALSE, CURRENT_TIMESTAMP FROM runs")],
+                     lambda doc: doc["step"] == 100, id="nonfinite-loss"),
+        pytest.param({"world_size": 4},
+                     [("INSERT INTO checkpoints (run_id, prefix, epoch, step, kind, layout, state, expected_ranks, "
+                       "derived_from_id, pinned, marked_bad, created_at, updated_at) SELECT run_id, prefix, epoch, step, "
+                       "'converted', 'tp4', 'verified', 4, id, FALSE, FALSE, created_at, updated_at FROM checkpoints "
+                       "WHERE step = 200")],
+                     lambda doc: doc["conversion"]["existing"] is not None, id="converted-copy"),
+        pytest.param({}, ["UPDATE checkpoints SET marked_bad = TRUE WHERE step = 200",  # one transaction, two rows
+                          "UPDATE checkpoints SET marked_bad = TRUE WHERE step = 100"],
+                     lambda doc: doc["detail"]["code"] == "no_restorable_step", id="two-rows-one-transaction"),
+    ],
+)
+def test_cached_answer_follows_direct_catalog_writes(ms, root, quiet_server, params, statements, expect):
+    _job(ms, root, steps=(100, 200))
+    quiet_server.settle()
+    reader, cache = quiet_server.client("r-token"), quiet_server.app.state.resume_cache
+    before = reader.get("/v1/runs/run1/resume", params=params).json()
+    hits = cache.hits
+    assert reader.get("/v1/runs/run1/resume", params=params).json() == before and cache.hits == hits + 1
+    _sql(quiet_server, *statements)
+    after = reader.get("/v1/runs/run1/resume", params=params).json()
+    assert after != before and expect(after), after
+
+
+def test_lease_renewals_keep_the_cached_answer(ms, root, quiet_server):
+    _job(ms, root, steps=(100, 200))
+    quiet_server.settle()
+    reader, cache = quiet_server.client("r-token"), quiet_server.app.state.resume_cache
+    first = reader.get("/v1/runs/run1/resume").content  # computes the answer and leases step 200
+    leases = query(quiet_server.app.state.settings.db, "SELECT lease_until FROM checkpoints WHERE step = 200")
+    assert leases[0][0] is not None
+    hits = cache.hits
+    _sql(quiet_server, "UPDATE checkpoints SET lease_until = NULL, updated_at = CURRENT_TIMESTAMP")
+    assert reader.get("/v1/runs/run1/resume").content == first and cache.hits == hits + 1
+
+
+def test_fast_path_serves_the_routes_bytes_and_leaves_errors_to_it(ms, root, quiet_server):
+    _job(ms, root, steps=(100, 200))
+    quiet_server.settle()
+    reader, cache = quiet_server.client("r-token"), quiet_server.app.state.resume_cache
+    for params in ({}, {"max_step": "150"}, {"world_size": "4", "lease": "false"}):
+        computed = reader.get("/v1/runs/run1/resume", params=params)
+        hits = cache.hits
+        cached = reader.get("/v1/runs/run1/resume", params=params)
+        assert cache.hits == hits + 1
+        assert (cached.status_code, cached.content) == (computed.status_code, computed.content) == (200, computed.content)
+        assert cached.headers["content-type"] == computed.headers["content-type"] == "application/json"
+    # forms the fast path does not take go to the route, which parses them its own way
+    assert reader.get("/v1/runs/run1/resume", params={"max_step": "0150"}).json()["step"] == 100
+    assert reader.get("/v1/runs/run1/resume", params={"max_step": "-1"}).status_code == 422
+    assert reader.get("/v1/runs/run1/resume", params={"lease": "maybe"}).status_code == 422
+    # a warm cache never answers without a valid token
+    assert quiet_server.client().get("/v1/runs/run1/resume").status_code == 401
+    assert quiet_server.client("wrong").get("/v1/runs/run1/resume").status_code == 401
+    assert quiet_server.client("p-token").get("/v1/runs/run1/resume").status_code == 200
+
+
+def test_a_storm_after_a_change_gets_only_the_new_answer(ms, root, quiet_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _job(ms, root, steps=(100, 200))
+    quiet_server.settle()
+    cache = quiet_server.app.state.resume_cache
+
+    def storm() -> set[int]:
+        def one(_: int) -> int:
+            with quiet_server.client("r-token") as c:
+                return c.get("/v1/runs/run1/resume").json()["step"]
+
+        with ThreadPoolExecutor(16) as pool:
+            return set(pool.map(one, range(32)))
+
+    assert storm() == {200}
+    _sql(quiet_server, "UPDATE checkpoints SET marked_bad = TRUE WHERE step = 200")
+    misses = cache.misses
+    assert storm() == {100}
+    assert cache.misses == misses + 1  # one computation for the whole storm; the others were served from it
+
+
+def test_resume_generation_triggers_exist_at_head(catalog_url):
+    # A later migration that makes SQLite rebuild one of these tables (batch "move and copy")
+    # drops its triggers silently, and cached resume answers would go stale: it must recreate them.
+    sql = ("SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'ckptd_resume_gen_%'"
+           if catalog_url.startswith("sqlite") else
+           "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'ckptd_resume_gen_%' AND NOT tgisinternal")
+    assert query(catalog_url, sql) == [(11,)]

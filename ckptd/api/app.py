@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
@@ -25,11 +25,13 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         app.state.sessions = d.sessions
         app.state.jobs = JobRunner(d.sessions, d.ingestor.examine_many, d.verifier.verify_shards, d.verifier.check_step)
         app.state.started = time.monotonic()
+        app.state.resume_cache.bind(d.engine)
         d.start()
         try:
             yield
         finally:
             app.state.jobs.close()
+            app.state.resume_cache.close()
             d.stop()
 
     app = FastAPI(
@@ -41,7 +43,9 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.tokens = settings.all_tokens()
     app.state.resume_cache = ResumeCache()
+    app.state.resume_locks = {}  # one computation per resume question at a time (routes_resume)
     errors.install(app)
+    app.add_middleware(routes_resume.ResumeFastPath)  # cached resume answers without the FastAPI stack
     app.include_router(routes_runs.router)
     app.include_router(routes_resume.router)
     app.include_router(routes_conversions.router)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hmac
 import re
-from typing import Annotated, Iterator
+from collections.abc import Iterator
+from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request
 from sqlalchemy.orm import Session
@@ -19,24 +20,41 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def _scope(request: Request) -> str:
-    tokens: dict[str, str] = request.app.state.tokens
+def token_scope(tokens: dict[str, str], authorization: str) -> str | None:
+    """The scope an ``Authorization`` header grants, None if it grants nothing (no/unknown token)."""
     if not tokens:
         return "admin"  # no auth configured: only ever reachable on loopback (serve refuses otherwise)
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return None
+    for known, scope in tokens.items():
+        if hmac.compare_digest(known.encode(), token.encode()):
+            return scope
+    return None
+
+
+def valid_run_name(run: str) -> bool:
+    # run names come from directory names; anything else (.., slashes, NUL) never names a run
+    return bool(_RUN_RE.match(run)) and ".." not in run
+
+
+def _scope(request: Request) -> str:
     header = request.headers.get("authorization", "")
+    scope = token_scope(request.app.state.tokens, header)
+    if scope is not None:
+        return scope
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
         raise HTTPException(401, {"code": "unauthorized", "message": "missing bearer token",
                                   "hint": "send 'Authorization: Bearer <token>'"}, headers={"WWW-Authenticate": "Bearer"})
-    for known, scope in tokens.items():
-        if hmac.compare_digest(known.encode(), token.encode()):
-            return scope
     raise HTTPException(401, {"code": "unauthorized", "message": "unknown token", "hint": "check the token"},
                         headers={"WWW-Authenticate": "Bearer"})
 
 
 def require(minimum: str):
-    def check(request: Request) -> str:
+    # async on purpose (here and in _run_name_param): pure CPU, so FastAPI runs them inline instead of
+    # sending each to the thread pool
+    async def check(request: Request) -> str:
         scope = _scope(request)
         if SCOPE_RANK[scope] < SCOPE_RANK[minimum]:
             raise HTTPException(403, {"code": "forbidden", "message": f"this needs the {minimum!r} scope, token has {scope!r}",
@@ -46,16 +64,22 @@ def require(minimum: str):
     return check
 
 
-def run_name(run: Annotated[str, Path(description="run directory name under the checkpoint root")]) -> str:
-    # run names come from directory names; anything else (.., slashes, NUL) never names a run
-    if not _RUN_RE.match(run) or ".." in run:
+def run_name(run: str) -> str:
+    if not valid_run_name(run):
         raise HTTPException(400, {"code": "invalid_run_name", "message": f"{run!r} is not a valid run name",
                                   "hint": "letters, digits, '.', '_' and '-' only"})
     return run
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+async def _run_name_param(run: Annotated[str, Path(description="run directory name under the checkpoint root")]) -> str:
+    return run_name(run)
+
+
+# scope="function": commit before the response is sent. With FastAPI's default ("request") the
+# commit ran after the body went out, so a client could act on a 200 whose change was not yet
+# visible (e.g. mark-bad, then an immediate resume still answering the bad step).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 ReadScope = Annotated[str, Depends(require("read"))]
 ReportScope = Annotated[str, Depends(require("report"))]
 AdminScope = Annotated[str, Depends(require("admin"))]
-RunName = Annotated[str, Depends(run_name)]
+RunName = Annotated[str, Depends(_run_name_param)]

@@ -99,7 +99,10 @@ class Shard(Base):
     """One rank's file of one checkpoint."""
 
     __tablename__ = "shards"
-    __table_args__ = (Index("ix_shards_checkpoint_rank", "checkpoint_id", "rank"),)
+    __table_args__ = (
+        Index("ix_shards_checkpoint_rank", "checkpoint_id", "rank"),
+        Index("ix_shards_state_verified_at", "state", "verified_at"),  # the background scrub's oldest-first query
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
     rank: Mapped[int] = mapped_column(Integer)
@@ -153,6 +156,17 @@ class StepHealth(Base):
     grad_norm_nonfinite: Mapped[str | None] = mapped_column(String(8))
     overflow: Mapped[bool] = mapped_column(Boolean, default=False)
     reported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ResumeGeneration(Base):
+    """A per-run counter bumped by database triggers (migration 0002) on every catalog change that
+    can change a resume answer; cached answers are reused only while it is unchanged. Written only
+    by the triggers. No foreign key on purpose: a trigger must never make a write fail."""
+
+    __tablename__ = "resume_generations"
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    bumped_by: Mapped[int | None] = mapped_column(BigInteger)  # PostgreSQL: the last bumping transaction id
 
 
 class Job(Base):
