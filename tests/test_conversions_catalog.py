@@ -110,3 +110,37 @@ def test_cli_convert_from_the_catalog(ms, root, catalog_url):
     gc = subprocess.run([sys.executable, "-m", "ckptd", "gc", "--run", "run1", "--keep-last", "1", "--json"],
                         capture_output=True, text=True, env=env)
     assert json.loads(gc.stdout)["deleted_steps"] == 0  # the only step is the newest restorable one
+
+
+def test_resume_by_strategy_hash_tells_apart_layouts_of_one_world_size(ms, root, catalog_url):
+    """tp=2 and 'replicated on 2 ranks' are both world size 2: only the strategy hash tells them
+    apart, and the oracle must not hand a job the other layout's shards or copy."""
+    from ckptd.format.layout import TensorLayout
+    from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+
+    _job(ms, root, steps=(100,))
+    replicated = Strategy.build((
+        ParamStrategy("w", TensorLayout(dev_matrix=(2,), tensor_map=(-1, -1))),
+        ParamStrategy("b", TensorLayout(dev_matrix=(2,), tensor_map=(-1,))),
+    ))
+    target = root / "run1" / "targets" / "replicated.ckpt"
+    target.parent.mkdir()
+    save_strategy(replicated, target)
+    want = replicated.content_hash()
+    with Server(Settings(root=root, db=catalog_url, settle_seconds=0.2, tokens=TOKENS)) as srv:
+        srv.settle()
+        c = srv.client("a-token")
+        own = c.get("/v1/runs/run1/resume", params={"lease": False}).json()
+        assert own["world_size"] == 2 and own["strategy_hash"] != want
+        same = c.get("/v1/runs/run1/resume", params={"strategy_hash": own["strategy_hash"], "world_size": 2}).json()
+        assert same["conversion"] is None
+        before = c.get("/v1/runs/run1/resume", params={"strategy_hash": want, "world_size": 2}).json()
+        assert before["conversion"]["needed"] and before["conversion"]["existing"] is None
+        job = c.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": str(target)})
+        assert _wait(c, job.json()["id"])["state"] == "done"
+        after = c.get("/v1/runs/run1/resume", params={"strategy_hash": want, "world_size": 2}).json()
+        existing = after["conversion"]["existing"]
+        assert existing["strategy_hash"] == want and len(existing["shards"]) == 2
+        with open_checkpoint(existing["shards"][1]["path"]) as ck:  # every rank now holds all of w
+            np.testing.assert_array_equal(ck.array("w"), np.concatenate([rank_tensors(0, 100)["w"], rank_tensors(1, 100)["w"]]))
+        assert c.get("/v1/runs/run1/resume", params={"strategy_hash": "tp=4"}).status_code == 422

@@ -35,9 +35,14 @@ async def get_resume(
     spike_factor: float = Query(default=3.0, gt=1.0),
     spike_window: int = Query(default=20, ge=2),
     lease: bool = Query(default=True, description="protect the answer from retention for 30 minutes"),
+    strategy_hash: str | None = Query(
+        default=None, max_length=80, pattern=r"^(none|sha256:[0-9a-f]{64})$",
+        description="target layout's strategy hash (as answers report it); a mismatch sets 'conversion' even at the "
+                    "same world size, and 'existing' is a copy of exactly that layout",
+    ),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
-    opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease)
+    opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is

@@ -24,7 +24,7 @@ class Skipped(BaseModel):
 class ConversionInfo(BaseModel):
     needed: bool
     from_world_size: int | None
-    to_world_size: int
+    to_world_size: int | None = Field(description="null when only a strategy_hash was asked for and no copy exists")
     existing: dict[str, Any] | None = Field(description="a ready converted copy: {shards, strategy_file}, or null")
     hint: str | None = None
 

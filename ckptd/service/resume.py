@@ -42,6 +42,8 @@ class ResumeOptions:
     spike_factor: float = 3.0
     spike_window: int = 20
     lease: bool = True
+    # target layout by strategy hash: tells apart layouts of one world size (tp2dp2 vs tp4dp1)
+    strategy_hash: str | None = None
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
@@ -131,19 +133,23 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "skipped": skipped,
         "conversion": None,
     }
-    if opts.world_size is not None and opts.world_size != ckpt.expected_ranks:
-        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size)
+    other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
+    other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
+    if other_world or other_layout:
+        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash)
     return answer
 
 
-def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int) -> dict[str, Any]:
-    """A different target world size needs the checkpoint re-sharded; point at a ready copy if any."""
-    copies = s.execute(
-        select(Checkpoint).where(
-            Checkpoint.derived_from_id == ckpt.id, Checkpoint.kind == "converted", Checkpoint.expected_ranks == world_size,
-            Checkpoint.state == "verified",
-        )
-    ).scalars().all()
+def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None) -> dict[str, Any]:
+    """Another target layout needs the checkpoint re-sharded; point at a ready copy if any — of
+    exactly that layout when the strategy hash is given, else the newest copy for that world size."""
+    q = select(Checkpoint).where(
+        Checkpoint.derived_from_id == ckpt.id, Checkpoint.kind == "converted", Checkpoint.state == "verified")
+    if strategy_hash is not None:
+        q = q.where(Checkpoint.layout == strategy_hash)
+    if world_size is not None:
+        q = q.where(Checkpoint.expected_ranks == world_size)
+    copies = s.execute(q.order_by(Checkpoint.id.desc())).scalars().all()
     existing = None
     if copies:
         copy = copies[0]
@@ -154,7 +160,7 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int) -> dict[str,
     return {
         "needed": True,
         "from_world_size": ckpt.expected_ranks,
-        "to_world_size": world_size,
+        "to_world_size": world_size if world_size is not None else (copies[0].expected_ranks if copies else None),
         "existing": existing,
         "hint": None if existing else ("POST /v1/runs/{run}/conversions {\"step\": S, \"to_layout\": \"tp=..,dp=..\"} "
                                         "or `ckptd convert --run R --step S --to-layout tp=..,dp=..`"),
