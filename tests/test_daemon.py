@@ -55,6 +55,16 @@ def _settled(d: Daemon, url: str, want: dict[int, str], timeout: float = 30) -> 
     wait_for(check, timeout, what=f"step states {want}")
 
 
+def _run_daemon_until(root: Path, url: str, want: dict[int, str], **settings) -> None:
+    """Start a daemon, wait for the step states, stop it (also when the wait fails)."""
+    d = Daemon(Settings(root=root, db=url, **{"settle_seconds": 0.2, "rescan_interval": 0.5, "debounce": 0.02, **settings}))
+    d.start()
+    try:
+        _settled(d, url, want)
+    finally:
+        d.stop()
+
+
 def test_steps_become_verified_with_evidence(ms, root, catalog_url, daemon):
     write_tp_strategy(root / "run1")
     for step in (100, 200):
@@ -308,12 +318,7 @@ def test_scrub_finds_bit_rot_that_keeps_size_and_mtime(ms, root, catalog_url):
     for rank in range(2):
         save_shard(ms, root, "run1", rank, 100)
     rotten = root / "run1" / "rank_1" / "net-1_100.ckpt"
-    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
-    try:
-        _settled(d, catalog_url, {100: "verified"})
-    finally:
-        d.stop()
+    _run_daemon_until(root, catalog_url, {100: "verified"})
     st = os.stat(rotten)
     os.chmod(rotten, 0o600)
     with open(rotten, "r+b") as fh:  # flip a bit inside a tensor payload, then restore the mtime
@@ -331,13 +336,7 @@ def test_scrub_finds_bit_rot_that_keeps_size_and_mtime(ms, root, catalog_url):
         assert step_states(catalog_url) == {100: "verified"}
     finally:
         quiet.stop()
-    scrubbing = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
-                                scrub_interval=1.0))
-    scrubbing.start()
-    try:
-        _settled(scrubbing, catalog_url, {100: "corrupt"})
-    finally:
-        scrubbing.stop()
+    _run_daemon_until(root, catalog_url, {100: "corrupt"}, scrub_interval=1.0)
     bad = query(catalog_url, "SELECT path, error_code, quarantined FROM shards WHERE state = 'corrupt'")
     assert len(bad) == 1 and bad[0][0] == str(rotten) and bad[0][2]
     assert bad[0][1] in ("content_changed", "checksum_mismatch")
@@ -350,20 +349,10 @@ def test_step_whose_checks_never_ran_is_checked_after_restart(ms, root, catalog_
     write_tp_strategy(root / "run1")
     for rank in range(2):
         save_shard(ms, root, "run1", rank, 100)
-    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=30, debounce=0.02))
-    d.start()
-    try:
-        _settled(d, catalog_url, {100: "verified"})
-    finally:
-        d.stop()
+    _run_daemon_until(root, catalog_url, {100: "verified"}, rescan_interval=30)
     engine = make_engine(catalog_url)
     with engine.begin() as conn:  # the state that crash leaves behind
         conn.exec_driver_sql("UPDATE checkpoints SET state = 'pending', step_checks_ok = NULL, global_step = NULL")
     engine.dispose()
-    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=30, debounce=0.02))
-    d.start()
-    try:
-        _settled(d, catalog_url, {100: "verified"})
-    finally:
-        d.stop()
+    _run_daemon_until(root, catalog_url, {100: "verified"}, rescan_interval=30)
     assert query(catalog_url, "SELECT step_checks_ok, global_step FROM checkpoints") == [(True, 100)]

@@ -231,12 +231,7 @@ class ResumeCache:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
-            with contextlib.suppress(Exception):
-                conn.close()
-        self._local = threading.local()
+        self._drop_connection_all()
 
     @staticmethod
     def generation(s: Session, run_name: str) -> tuple | None:
