@@ -94,9 +94,10 @@ def is_strategy_name(parts: list[str]) -> bool:
     return len(parts) == 3 and parts[1] == "strategy"
 
 
-def resolves_inside(root: str, path: str) -> bool:
-    """True if ``path``, with every symlink resolved, is still below ``root`` (no escapes)."""
-    real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
+def resolves_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
+    """True if ``path``, with every symlink resolved, is still below ``root`` (no escapes).
+    ``real_root``: ``os.path.realpath(root)`` if the caller already has it (the ingest hot path)."""
+    real_root = (real_root or os.path.realpath(root)).rstrip(os.sep) + os.sep
     return os.path.realpath(path).startswith(real_root)
 
 

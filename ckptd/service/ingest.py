@@ -49,6 +49,7 @@ class Ingestor:
         index_cache: IndexCache | None = None,
     ) -> None:
         self.root = str(settings.root)
+        self.real_root = os.path.realpath(self.root)  # once: resolving it per shard was half of ingest's realpath calls
         self.settings = settings
         self.sessions = sessions
         self.submit = submit  # shards need verification
@@ -189,7 +190,7 @@ class Ingestor:
             except FileNotFoundError:
                 vanished.append(path)
                 continue
-            if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path):
+            if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path, real_root=self.real_root):
                 outcomes[path] = "ignored"  # symlinks (file or directory) are never followed out of the root
                 continue
             # MindSpore renames into place then chmods 0400; a writable file may still be growing
