@@ -26,6 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import TextClause
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, VerificationEvent
 from ckptd.states import ShardState, StepState, step_state_from
@@ -210,60 +211,48 @@ class Verdict:
 
 
 _VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error")
-_PG_ARRAY_TYPES = {"digest": "varchar[]", "format": "varchar[]", "encryption": "varchar[]", "crc": "varchar[]",
-                   "global_step": "bigint[]", "error_code": "varchar[]", "error": "text[]"}
-_PG_STORE_VERDICTS = text(
-    "UPDATE shards AS s SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
-    + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
-    + " FROM unnest(CAST(:id AS integer[]), CAST(:size AS bigint[]), CAST(:mtime AS bigint[]), CAST(:inode AS bigint[]),"
-    " CAST(:seq AS integer[]), CAST(:state AS varchar[]), "
-    + ", ".join(f"CAST(:{c} AS {_PG_ARRAY_TYPES[c]})" for c in _VERDICT_COLUMNS)
-    + ") AS v(id, size, mtime, inode, seq, state, " + ", ".join(_VERDICT_COLUMNS) + ")"
-    " WHERE s.id = v.id AND s.size = v.size AND s.mtime_ns = v.mtime AND s.inode = v.inode AND s.state <> 'deleted'"
-    " AND (v.seq IS NULL OR s.verify_seq = v.seq) RETURNING s.id"
-).bindparams(bindparam("at", type_=DateTime(timezone=True)))
+_VERDICT_FIELDS = ("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)
+_PG_ARRAY_TYPES = dict.fromkeys(_VERDICT_FIELDS, "varchar[]") | {
+    "id": "integer[]", "size": "bigint[]", "mtime": "bigint[]", "inode": "bigint[]", "seq": "integer[]",
+    "global_step": "bigint[]", "error": "text[]",
+}
 
 
-def _store_verdicts_pg(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
-    """PostgreSQL: all verdicts in one ``UPDATE … FROM unnest(arrays) … RETURNING`` — one round
-    trip instead of one per shard, and constant SQL text (a VALUES list of N rows would be
-    compiled anew for every batch size, which costs more than the round trips it saves)."""
-    if not verdicts:
-        return set()
-    params: dict[str, Any] = {
-        "at": now,
-        "id": [v.shard_id for v in verdicts],
-        "size": [v.stat.size for v in verdicts],
-        "mtime": [v.stat.mtime_ns for v in verdicts],
-        "inode": [v.stat.inode for v in verdicts],
-        "seq": [v.seq for v in verdicts],
-        "state": [v.state.value for v in verdicts],
-        **{c: [v.values.get(c) for v in verdicts] for c in _VERDICT_COLUMNS},
-    }
-    return set(conn.execute(_PG_STORE_VERDICTS, params).scalars())
+def _store_verdicts_sql(rows_source: str, columns: str = "") -> TextClause:
+    """One ``UPDATE … FROM <rows> AS v … RETURNING`` for a whole batch of verdicts: one round trip
+    and constant SQL text (a VALUES list of N rows would be compiled anew for every batch size,
+    which costs more than the round trips it saves). Only how the rows arrive differs by dialect."""
+    return text(
+        "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
+        + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
+        + f" FROM {rows_source} AS v{columns}"
+        " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
+        " AND shards.state <> 'deleted' AND (v.seq IS NULL OR shards.verify_seq = v.seq) RETURNING shards.id"
+    ).bindparams(bindparam("at", type_=DateTime(timezone=True)))  # stored exactly as the ORM stores it
 
 
-_SQLITE_STORE_VERDICTS = text(
-    "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
-    + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
-    + " FROM (SELECT " + ", ".join(
-        f"json_extract(value, '$[{i}]') AS {c}"
-        for i, c in enumerate(("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)))
-    + " FROM json_each(:rows)) AS v"
-    " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
-    " AND shards.state <> 'deleted' AND (v.seq IS NULL OR shards.verify_seq = v.seq) RETURNING shards.id"
-).bindparams(bindparam("at", type_=DateTime(timezone=True)))  # stored exactly as the ORM stores it
+# PostgreSQL: one array per column; SQLite (no arrays): the rows as one JSON array
+_PG_STORE_VERDICTS = _store_verdicts_sql(
+    "unnest(" + ", ".join(f"CAST(:{f} AS {_PG_ARRAY_TYPES[f]})" for f in _VERDICT_FIELDS) + ")",
+    "(" + ", ".join(_VERDICT_FIELDS) + ")",
+)
+_SQLITE_STORE_VERDICTS = _store_verdicts_sql(
+    "(SELECT " + ", ".join(f"json_extract(value, '$[{i}]') AS {f}" for i, f in enumerate(_VERDICT_FIELDS))
+    + " FROM json_each(:rows))"
+)
 
 
-def _store_verdicts_sqlite(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
-    """SQLite: the same single statement, the rows passed as one JSON array (SQLite has no arrays)."""
+def _store_verdicts(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
     import json
 
     rows = [
-        [v.shard_id, v.stat.size, v.stat.mtime_ns, v.stat.inode, v.seq, v.state.value,
-         *(v.values.get(c) for c in _VERDICT_COLUMNS)]
+        (v.shard_id, v.stat.size, v.stat.mtime_ns, v.stat.inode, v.seq, v.state.value,
+         *(v.values.get(c) for c in _VERDICT_COLUMNS))
         for v in verdicts
     ]
+    if conn.dialect.name == "postgresql":
+        params: dict[str, Any] = dict(zip(_VERDICT_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
+        return set(conn.execute(_PG_STORE_VERDICTS, params | {"at": now}).scalars())
     return set(conn.execute(_SQLITE_STORE_VERDICTS, {"rows": json.dumps(rows), "at": now}).scalars())
 
 
@@ -278,10 +267,7 @@ def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]
     now = datetime.now(timezone.utc)
     if not verdicts:
         return set()
-    if conn.dialect.name == "postgresql":
-        stored = _store_verdicts_pg(conn, verdicts, now)
-    else:
-        stored = _store_verdicts_sqlite(conn, verdicts, now)
+    stored = _store_verdicts(conn, verdicts, now)
     events = [
         {"checkpoint_id": ckpt_id, "shard_id": v.shard_id, "at": now, "kind": "shard", "outcome": v.state.value,
          "detail": v.values.get("error"), "seconds": v.seconds}

@@ -256,9 +256,6 @@ class Ingestor:
         except OSError as err:
             return CkptdError(f"cannot read: {err.strerror}", path=path)
 
-    def _vanished(self, path: str) -> str:
-        return self._vanished_many([path])[path]
-
     def _vanished_many(self, paths: list[str]) -> dict[str, str]:
         """Mark catalogued shards whose files are gone as deleted (rows are kept for history);
         one transaction per checkpoint — a keep-last-N rotation removes a whole step at once."""

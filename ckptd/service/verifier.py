@@ -82,7 +82,6 @@ _BATCH = 128  # shards one worker verifies and records per round (one transactio
 
 @dataclass
 class _Outcome:
-    ckpt_id: int
     stat: repo.FileStat | None  # None: the file is gone
     state: ShardState | None = None  # None: the file changed while it was read
     values: dict[str, object] = field(default_factory=dict)
@@ -236,7 +235,7 @@ class Verifier:
             repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards])
         t0 = time.perf_counter()
-        outcomes = {shard_id: self._read_shard(ckpt_id, path, digest) for shard_id, path, digest in shards}
+        outcomes = {shard_id: self._read_shard(path, digest) for shard_id, path, digest in shards}
         t1 = time.perf_counter()
         paths = {shard_id: path for shard_id, path, _ in shards}
         result: dict[int, ShardState | None] = {shard_id: out.state for shard_id, out in outcomes.items()}
@@ -268,23 +267,23 @@ class Verifier:
                 self.verified_count += 1
         return result
 
-    def _read_shard(self, ckpt_id: int, path: str, known_digest: str | None) -> _Outcome:
+    def _read_shard(self, path: str, known_digest: str | None) -> _Outcome:
         before = stat_of(path)
         if before is None:
-            return _Outcome(ckpt_id, None)
+            return _Outcome(None)
         t0 = time.perf_counter()
         values, problems = self._check_file(path)
         if known_digest is not None and values["digest"] != known_digest:
             problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
             values["digest"] = known_digest  # keep the evidence of what the file was
         if stat_of(path) != before:
-            return _Outcome(ckpt_id, before, None)  # the file changed under us: verify the new version
+            return _Outcome(before, None)  # the file changed under us: verify the new version
         if problems:
             values["error_code"], values["error"] = problems[0][0], "; ".join(msg for _, msg in problems)
         else:
             values["error_code"] = values["error"] = None
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
-        return _Outcome(ckpt_id, before, state, values, time.perf_counter() - t0)
+        return _Outcome(before, state, values, time.perf_counter() - t0)
 
     def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
         values: dict[str, object] = {"digest": file_digest(path)}
