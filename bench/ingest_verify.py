@@ -25,6 +25,7 @@ Each measurement runs on embedded SQLite and on PostgreSQL (a fresh database, dr
 
     python bench/ingest_verify.py [--ranks 512] [--steps 20] [--rows 1000000]
                                   [--backends sqlite,postgresql] [--modes live,cold] [--budget 75]
+                                  [--watch auto|inotify|watchdog|inotify,watchdog]
 
 PostgreSQL: ``CKPTD_TEST_PG`` (default: the tests' ``postgresql+psycopg://postgres@127.0.0.1:5432/test``
 admin database). Files go to a temp dir under /tmp, removed at exit. The machine's load average
@@ -313,21 +314,23 @@ def _trickle(daemon: Any, eng: Any, root: Path, args: argparse.Namespace, tsv: s
     out["trickle"]["step_p50"], out["trickle"]["step_max"] = step_latencies(renamed, steps, run_id)
 
 
-def run_ingest(backend: str, mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def run_ingest(backend: str, mode: str, args: argparse.Namespace, tmp: Path, watch: str = "auto") -> dict[str, Any]:
     from ckptd.daemon import Daemon
     from ckptd.settings import Settings
 
-    root = tmp / f"root-{backend}-{mode}"
+    root = tmp / f"root-{backend}-{mode}-{watch}"
     root.mkdir()
     write_strategy(root / "job", args.ranks)
     total = args.ranks * args.steps
-    job_tsv = str(tmp / f"job-{backend}-{mode}.tsv")
+    job_tsv = str(tmp / f"job-{backend}-{mode}-{watch}.tsv")
     counter = _Counter()
-    out: dict[str, Any] = {"backend": backend, "mode": mode, "shards": total}
+    label = backend if len(args.watch) == 1 else f"{backend}, {watch} events"
+    out: dict[str, Any] = {"backend": label, "mode": mode, "shards": total, "watch": watch}
     writer = None
     with fresh_catalog(backend, tmp, f"ingest_{mode}") as url:
         settings = Settings(
-            root=root, db=url, require_crc=True, verify_workers=args.workers, rescan_interval=args.rescan_interval
+            root=root, db=url, require_crc=True, verify_workers=args.workers, rescan_interval=args.rescan_interval,
+            watch_backend=watch,
         )
         if mode == "cold":
             write_job(str(root), "job", args.ranks, args.steps, 0.0, 0.0, job_tsv, 0.0)
@@ -339,7 +342,7 @@ def run_ingest(backend: str, mode: str, args: argparse.Namespace, tmp: Path) -> 
         if mode == "live":
             if not daemon.watcher.ready.wait(60):
                 raise RuntimeError("the daemon's initial rescan did not finish")
-            _trickle(daemon, eng, root, args, str(tmp / f"trickle-{backend}.tsv"), out)
+            _trickle(daemon, eng, root, args, str(tmp / f"trickle-{backend}-{watch}.tsv"), out)
             writer = multiprocessing.get_context("spawn").Process(target=write_job, args=(
                 str(root), "job", args.ranks, args.steps, args.step_interval, 0.0, job_tsv, 1.0))
             writer.start()
@@ -640,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trickle-ranks", type=int, default=4)
     ap.add_argument("--trickle-steps", type=int, default=25)
     ap.add_argument("--trickle-rate", type=float, default=5.0, help="trickle shards per second")
+    ap.add_argument("--watch", default="auto",
+                    help="Settings.watch_backend(s) to compare, e.g. inotify,watchdog (each gets its own run)")
     ap.add_argument("--workers", type=int, default=2, help="Settings.verify_workers")
     ap.add_argument("--rescan-interval", type=float, default=30.0)
     ap.add_argument("--stall", type=float, default=45.0, help="give up when nothing gets verified this long")
@@ -650,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="EXPERIMENT: monkeypatch the verifier's digest buffer size (shipped: 64 MiB)")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.watch = [w for w in args.watch.split(",") if w]
     backends = [b for b in args.backends.split(",") if b]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -670,10 +676,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp"))
     try:
         for backend in backends:
-            for mode in args.modes:
-                log.info("ingest %s %s ...", backend, mode)
-                ingest.append(run_ingest(backend, mode, args, tmp))
-                log.info("  %s", {k: v for k, v in ingest[-1].items() if k != "log_sample"})
+            for watch in args.watch:
+                for mode in args.modes:
+                    log.info("ingest %s %s (%s events) ...", backend, mode, watch)
+                    ingest.append(run_ingest(backend, mode, args, tmp, watch))
+                    log.info("  %s", {k: v for k, v in ingest[-1].items() if k != "log_sample"})
             if args.rows:
                 log.info("query %s: populating %d shard rows ...", backend, args.rows)
                 query.append(run_query_bench(backend, args, tmp))

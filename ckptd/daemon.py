@@ -43,6 +43,7 @@ class Daemon:
             debounce=settings.debounce,
             rescan_interval=settings.rescan_interval,
             settle_seconds=settings.settle_seconds,
+            backend=settings.watch_backend,
         )
 
     def start(self) -> None:

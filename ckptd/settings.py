@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     rescan_interval: float = Field(default=30.0, gt=0)
     debounce: float = Field(default=0.05, ge=0)
     settle_seconds: float = Field(default=2.0, ge=0, description="writable files must be unchanged this long")
+    watch_backend: Literal["auto", "inotify", "watchdog"] = Field(
+        default="auto", description="file events: ckptd's inotify reader (Linux; auto) or a watchdog observer",
+    )
     host: str = Field(default="127.0.0.1", description="API listen address")
     port: int = Field(default=8470, ge=0, le=65535)
     access_log: bool = Field(default=False, description="log every HTTP request (costs ~0.1 ms of CPU a request)")

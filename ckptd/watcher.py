@@ -1,5 +1,9 @@
 """File events → debounced ``Ingestor.examine`` calls, plus the periodic full rescan.
 
+Events come from an *event source*: ckptd's lean inotify reader on Linux (``ckptd.inotify``) or
+a watchdog observer (elsewhere, or ``watch_backend = "watchdog"``). Both only say "look at this
+path"; what a path is and whether it changed is decided by ingest.
+
 One ingest thread does all catalog writes of this daemon (events and rescans are serialized), so
 ordering questions never arise inside a daemon; across daemons the catalog's constraints decide.
 Events are hints: a lost or reordered event is repaired by the next rescan.
@@ -9,9 +13,11 @@ from __future__ import annotations
 
 import heapq
 import logging
+import sys
 import threading
 import time
 import warnings
+from typing import Callable, Literal, Protocol
 
 from watchdog.events import (
     DirCreatedEvent,
@@ -26,6 +32,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
+from ckptd import runlayout
 from ckptd.service.ingest import Ingestor
 
 log = logging.getLogger("ckptd.watcher")
@@ -39,9 +46,20 @@ _WANTED = [FileCreatedEvent, FileMovedEvent, FileDeletedEvent, FileClosedEvent, 
            DirDeletedEvent]
 
 
+def wanted_name(name: str) -> bool:
+    """Event filter on a file's base name: a save in flight (``*.tmp``) or a hidden file is never
+    a shard, so its create / close / rename-away events are not worth an examination each."""
+    return not runlayout.is_in_flight(name) and not name.startswith(".")
+
+
+class _EventSource(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
 class _Handler(FileSystemEventHandler):
-    def __init__(self, watcher: "Watcher") -> None:
-        self.watcher = watcher
+    def __init__(self, poke: Callable[[str], None]) -> None:
+        self.poke = poke
 
     # Only changes matter. Opens and read-only closes are excluded on purpose: ckptd's own reads
     # (verification) would otherwise re-trigger examination forever.
@@ -51,16 +69,63 @@ class _Handler(FileSystemEventHandler):
         if event.event_type not in self.RELEVANT or (event.is_directory and event.event_type != "moved"):
             return
         for path in (str(event.src_path), str(getattr(event, "dest_path", "") or "")):
-            if not path:
+            if not path or not wanted_name(path.rpartition("/")[2]):
                 continue
-            self.watcher.poke(path)  # dest_path: MindSpore's tmp -> final rename, the commit point
+            self.poke(path)  # dest_path: MindSpore's tmp -> final rename, the commit point
+
+
+class _WatchdogSource:
+    """The portable event source: a watchdog observer on the root."""
+
+    def __init__(self, root: str, poke: Callable[[str], None]) -> None:
+        self.observer = Observer()
+        # The kernel is asked only for _WANTED: opens, reads and read-only closes (ckptd's own
+        # verification makes several per shard) and per-write modifications never reach Python.
+        self.observer.schedule(_Handler(poke), root, recursive=True, event_filter=_WANTED)
+        self.observer.daemon = True
+
+    def start(self) -> None:
+        # watchdog warns each time a directory is created inside the watched tree; it is harmless
+        # and would otherwise flood the daemon's log during every save
+        warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
+        self.observer.start()
+
+    def stop(self) -> None:
+        self.observer.stop()
+        self.observer.join(timeout=5)
+
+
+class _InotifySource:
+    def __init__(self, root: str, watcher: "Watcher") -> None:
+        from ckptd.inotify import InotifyTree
+
+        self.tree = InotifyTree(root, watcher.poke_many, watcher.events_lost, wanted=wanted_name)
+
+    def start(self) -> None:
+        self.tree.open()
+        self.tree.start()
+
+    def stop(self) -> None:
+        self.tree.close()
+
+
+def _event_source(backend: str, root: str, watcher: "Watcher") -> _EventSource:
+    if backend == "auto":
+        from ckptd import inotify
+
+        backend = "inotify" if sys.platform.startswith("linux") and inotify.available() else "watchdog"
+    return _InotifySource(root, watcher) if backend == "inotify" else _WatchdogSource(root, watcher.poke)
 
 
 class Watcher:
     """Call order: ``start()`` (initial rescan happens on the ingest thread) → ``stop()``."""
 
-    def __init__(self, ingestor: Ingestor, *, debounce: float, rescan_interval: float, settle_seconds: float) -> None:
+    def __init__(
+        self, ingestor: Ingestor, *, debounce: float, rescan_interval: float, settle_seconds: float,
+        backend: Literal["auto", "inotify", "watchdog"] = "auto",
+    ) -> None:
         self.ingestor = ingestor
+        self.backend = backend
         self.debounce = debounce
         self.rescan_interval = rescan_interval
         self.settle_seconds = settle_seconds
@@ -68,7 +133,7 @@ class Watcher:
         self._pending: dict[str, float] = {}
         self._cond = threading.Condition()
         self._stop = False
-        self._observer: Observer | None = None
+        self._source: _EventSource | None = None
         self._thread = threading.Thread(target=self._loop, name="ckptd-ingest", daemon=True)
         self.rescans = 0
         self._busy = False
@@ -85,6 +150,22 @@ class Watcher:
             heapq.heappush(self._due, (due, path))
             self._cond.notify()
 
+    def poke_many(self, paths: list[str]) -> None:
+        """One event read's worth of paths (a step's burst of renames) under one lock."""
+        due = time.monotonic() + self.debounce
+        with self._cond:
+            for path in paths:
+                if path in self._pending and self._pending[path] <= due:
+                    continue
+                self._pending[path] = due
+                heapq.heappush(self._due, (due, path))
+            self._cond.notify()
+
+    def events_lost(self, why: str) -> None:
+        """The event source may have missed changes: reconcile with a full rescan (the truth)."""
+        log.warning("file events may have been lost (%s); rescanning", why)
+        self.poke_rescan()
+
     def poke_rescan(self) -> None:
         """Run a full rescan on the ingest thread now (on-demand reconciliation)."""
         with self._cond:
@@ -98,25 +179,19 @@ class Watcher:
             return not self._due and not self._busy
 
     def start(self) -> None:
-        # watchdog warns each time a directory is created inside the watched tree; it is harmless
-        # and would otherwise flood the daemon's log during every save
-        warnings.filterwarnings("ignore", message="Callback with id", category=RuntimeWarning)
-        root = self.ingestor.root
-        self._observer = Observer()
-        # The kernel is asked only for _WANTED: opens, reads and read-only closes (ckptd's own
-        # verification makes several per shard) and per-write modifications never reach Python.
-        self._observer.schedule(_Handler(self), root, recursive=True, event_filter=_WANTED)
-        self._observer.daemon = True
-        self._observer.start()
+        # Events first, then the ingest thread's initial rescan: a file written in between is
+        # seen by one or the other (or both; examination is idempotent).
+        source = _event_source(self.backend, self.ingestor.root, self)
+        source.start()
+        self._source = source
         self._thread.start()
 
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+        if self._source is not None:
+            self._source.stop()
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
