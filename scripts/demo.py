@@ -12,7 +12,9 @@
    remaining ranks (tp 2 x dp 1, same global batch); ckptd's oracle answers with a 4-rank step, so the
    launcher has ckptd re-shard it (POST /v1/runs/llama/conversions) and resumes from the converted
    copy. Steps trained again on 2 ranks give the 4-rank losses (to float rounding: sums run in
-   another order).
+   another order). The 2-rank job saves step 30 again: ckptd re-binds the step to the new layout
+   and judges that save alone (verified); ranks 2-3's old files (one of them the bit flipped in
+   part 4) stay on disk as superseded history instead of keeping the step corrupt.
 Everything lands in ./demo-out (recreated on each run).
 """
 
@@ -326,6 +328,30 @@ def elastic_restart(url: str, env: dict[str, str], earlier: dict[int, dict]) -> 
         f"(largest difference {worst:.1e}: the all-reduces sum in another order)")
     if not curve.recomputed or same != len(curve.recomputed):
         return fail(f"steps trained again on {world} ranks should match the {TP * DP}-rank losses")
+    return resaved_step(url, env, world)
+
+
+def resaved_step(url: str, env: dict[str, str], world: int) -> int:
+    """Step STEPS, corrupt on 4 ranks since part 4, was saved again by the 2-rank job."""
+    step_url = f"{url}/v1/runs/{RUN}/steps/{STEPS}"
+
+    def resaved() -> bool:
+        doc = get(step_url)
+        return doc.get("state") == "verified" and doc.get("expected_ranks") == world
+
+    say(f"\n  the {world}-rank job saved step {STEPS} again, over the {TP * DP}-rank save that part 4 left corrupt:")
+    wait_until(resaved, f"ckptd to verify the {world}-rank save of step {STEPS}")
+    doc = get(step_url)
+    ranks = [s["rank"] for s in get(f"{step_url}/shards")]
+    history = [x for x in get(f"{url}/v1/runs/{RUN}/steps") if x["step"] == STEPS and x["kind"] == "superseded"]
+    say(f"$ curl {step_url}")
+    say(f'  {{"step": {doc["step"]}, "state": "{doc["state"]}", "restorable": {json.dumps(doc["restorable"])}, '
+        f'"expected_ranks": {doc["expected_ranks"]}, ...}}   shards of ranks {ranks}')
+    for h in history:
+        say(f"  superseded history of step {STEPS} (files left on disk): {h['reason']}")
+    ckptd("ls", RUN, env=env)
+    if doc.get("state") != "verified" or ranks != list(range(world)) or not history:
+        return fail(f"step {STEPS} should be the verified {world}-rank save, the old ranks superseded")
     return 0
 
 

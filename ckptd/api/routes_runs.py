@@ -26,7 +26,7 @@ def get_run(run: RunName, s: SessionDep, _: ReadScope) -> dict[str, Any]:
 @router.get("/{run}/steps", response_model=list[StepOut])
 def list_steps(
     run: RunName, s: SessionDep, _: ReadScope,
-    state: str | None = Query(default=None, description="verified|pending|incomplete|corrupt|deleted|deleting"),
+    state: str | None = Query(default=None, description="verified|pending|incomplete|corrupt|deleted|deleting|superseded"),
     limit: int = Query(default=1000, ge=1, le=100000),
 ) -> list[dict[str, Any]]:
     return catalog.list_steps(s, run, state, limit)

@@ -60,6 +60,10 @@ class StrategyFile(Base):
     error: Mapped[str | None] = mapped_column(Text)  # set when the file does not parse
     content: Mapped[bytes | None] = mapped_column(LargeBinary)  # the file as seen (strategy files are small)
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the file's mtime when this content was first seen at this path (again, if the file went back
+    # to it): a shard written at or after it was saved under this layout (states.layout_resave).
+    # The trainer's clock, not ckptd's. NULL on rows from before migration 0004 (seen_at is used).
+    mtime_ns: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Checkpoint(Base):
@@ -75,8 +79,10 @@ class Checkpoint(Base):
     prefix: Mapped[str] = mapped_column(String(255))
     epoch: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(BigInteger)  # step from the file name
-    kind: Mapped[str] = mapped_column(String(16), default="trained")  # trained | breakpoint | converted
-    layout: Mapped[str] = mapped_column(String(80), default="")  # converted copies: the target strategy hash
+    # trained | breakpoint | converted | superseded (history: shards an older layout left, see ckptd.states)
+    kind: Mapped[str] = mapped_column(String(16), default="trained")
+    # converted copies: the target strategy hash; superseded history: the old one
+    layout: Mapped[str] = mapped_column(String(80), default="")
     global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
     state: Mapped[str] = mapped_column(String(16), index=True)
     expected_ranks: Mapped[int | None] = mapped_column(Integer)

@@ -17,6 +17,7 @@ from sqlalchemy import (
     DateTime,
     Select,
     bindparam,
+    delete,
     distinct,
     func,
     insert,
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, VerificationEvent
-from ckptd.states import ShardState, StepState, step_state_from
+from ckptd.states import SUPERSEDED_KIND, ShardState, StepState, step_state_from
 
 
 def _insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
@@ -107,6 +108,7 @@ class Registered:
     shard_id: int
     state: str
     changed: bool  # new row, or the file on disk is not the one catalogued: it must be (re-)verified
+    moved_from: int | None = None  # the checkpoint the row belonged to before (a superseded shard rewritten)
 
 
 _ROWS_PER_SELECT = 500  # well under SQLite's bound-parameter limit
@@ -146,6 +148,8 @@ def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) 
         shard = existing[f.path]
         st = f.stat
         if (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode) or shard.state == ShardState.DELETED.value:
+            # read before the update: it synchronizes the loaded row
+            moved = shard.checkpoint_id if shard.checkpoint_id != ckpt.id else None
             # the file was replaced or came back: everything we knew about it is void
             session.execute(
                 update(Shard)
@@ -158,7 +162,7 @@ def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) 
                 )
             )
             add_event(session, ckpt.id, shard.id, "rescan", "changed", "file size/mtime/inode changed on disk; re-verifying")
-            out.append(Registered(shard.id, ShardState.COMPLETE.value, True))
+            out.append(Registered(shard.id, ShardState.COMPLETE.value, True, moved))
         else:
             out.append(Registered(shard.id, shard.state, False))
     return out
@@ -182,7 +186,7 @@ def record_verification(
         Shard.size == st.size,
         Shard.mtime_ns == st.mtime_ns,
         Shard.inode == st.inode,
-        Shard.state != ShardState.DELETED.value,
+        Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # not part of any step any more
     ]
     if seq is not None:
         cond.append(Shard.verify_seq == seq)
@@ -227,7 +231,8 @@ def _store_verdicts_sql(rows_source: str, columns: str = "") -> TextClause:
         + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
         + f" FROM {rows_source} AS v{columns}"
         " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
-        " AND shards.state <> 'deleted' AND (v.seq IS NULL OR shards.verify_seq = v.seq) RETURNING shards.id"
+        " AND shards.state NOT IN ('deleted', 'superseded') AND (v.seq IS NULL OR shards.verify_seq = v.seq)"
+        " RETURNING shards.id"
     ).bindparams(bindparam("at", type_=DateTime(timezone=True)))  # stored exactly as the ORM stores it
 
 
@@ -297,10 +302,12 @@ def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
     """Derive and store the step's state from its shard rows (caller holds the row lock)."""
     if ckpt.state == StepState.DELETING.value:
         return StepState.DELETING  # retention owns it now; file deletions are expected
+    if ckpt.kind == SUPERSEDED_KIND:
+        return StepState.SUPERSEDED  # a history row: nothing to derive (its files may come and go)
     # aggregates, not rows: this runs for every shard event of a step with hundreds of ranks
-    counts = dict(session.execute(
-        select(Shard.state, func.count()).where(Shard.checkpoint_id == ckpt.id).group_by(Shard.state)).all())
-    ranks = session.execute(select(func.count(distinct(Shard.rank))).where(Shard.checkpoint_id == ckpt.id)).scalar_one()
+    own = (Shard.checkpoint_id == ckpt.id, Shard.state != ShardState.SUPERSEDED.value)
+    counts = dict(session.execute(select(Shard.state, func.count()).where(*own).group_by(Shard.state)).all())
+    ranks = session.execute(select(func.count(distinct(Shard.rank))).where(*own)).scalar_one()
     duplicate = sum(counts.values()) > ranks
     states = {ShardState(st) for st in counts}
     checks = False if duplicate else ckpt.step_checks_ok
@@ -325,9 +332,10 @@ def _shard_failures(session: Session, ckpt_id: int) -> str:
 
 def upsert_strategy(
     session: Session, run: Run, path: str, content_hash: str, fmt: str, world: int, stages: int, error: str | None,
-    content: bytes | None = None,
+    content: bytes | None = None, mtime_ns: int | None = None,
 ) -> StrategyFile:
-    """The row for this (path, content); a changed file gets a new row, old steps keep theirs."""
+    """The row for this (path, content); a changed file gets a new row, old steps keep theirs.
+    ``mtime_ns``: the file's mtime as read now, stored when the content is new at this path."""
     _insert_ignore(
         session,
         StrategyFile,
@@ -341,11 +349,107 @@ def upsert_strategy(
             "error": error,
             "content": content,
             "seen_at": datetime.now(timezone.utc),
+            "mtime_ns": mtime_ns,
         },
         ["run_id", "path", "content_hash"],
     )
-    return session.execute(select(StrategyFile).where(
+    row = session.execute(select(StrategyFile).where(
         StrategyFile.run_id == run.id, StrategyFile.path == path, StrategyFile.content_hash == content_hash)).scalar_one()
+    head = session.execute(select(StrategyFile.id).where(StrategyFile.run_id == run.id, StrategyFile.path == path)
+                           .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc()).limit(1)).scalar_one()
+    if head != row.id:  # the file went back to a content it had before: that layout is the newest again
+        row.seen_at, row.mtime_ns = datetime.now(timezone.utc), mtime_ns
+    return row
+
+
+# --- layout changes (see ckptd.states: a step re-saved under a newer strategy) ---------------------
+
+
+@dataclass(frozen=True)
+class StrategyRow:
+    """A strategy file row without its content (what layout-change decisions need)."""
+
+    id: int
+    path: str
+    content_hash: str
+    world_size: int
+    valid: bool
+    appeared_ns: int  # the file's mtime when this content was (last) first seen; seen_at for old rows
+
+
+def strategy_rows(session: Session, run_id: int) -> dict[str, list[StrategyRow]]:
+    """A run's strategy rows by path, newest first: ``[0]`` is what the file holds now."""
+    rows = session.execute(
+        select(StrategyFile.id, StrategyFile.path, StrategyFile.content_hash, StrategyFile.world_size,
+               StrategyFile.error, StrategyFile.mtime_ns, StrategyFile.seen_at)
+        .where(StrategyFile.run_id == run_id)
+        .order_by(StrategyFile.path, StrategyFile.seen_at.desc(), StrategyFile.id.desc())
+    ).all()
+    out: dict[str, list[StrategyRow]] = {}
+    for sid, path, digest, world, error, mtime_ns, seen_at in rows:
+        if mtime_ns is None:  # a row from before migration 0004: ckptd's clock is the best there is
+            seen = seen_at if seen_at.tzinfo else seen_at.replace(tzinfo=timezone.utc)
+            mtime_ns = int(seen.timestamp() * 1e9)
+        out.setdefault(path, []).append(StrategyRow(sid, path, digest, world, error is None, mtime_ns))
+    return out
+
+
+def rebind_resaved_step(
+    session: Session, ckpt: Checkpoint, old: StrategyRow, new: StrategyRow, stale: list[int]
+) -> None:
+    """Bind a step re-saved under ``new`` to it and move its shards written under ``old`` (ids
+    ``stale``) to the step's history row as ``superseded`` (caller holds ``ckpt``'s lock; the
+    history row is locked after it — the one lock order: the step, then its history)."""
+    reason = f"saved under strategy {old.content_hash}; step re-saved under {new.content_hash}"
+    if stale:
+        history = _history_row(session, ckpt, old, reason)
+        # deleted rows move too (their file is gone either way) but keep saying so
+        session.execute(update(Shard).where(Shard.id.in_(stale), Shard.state != ShardState.DELETED.value).values(
+            checkpoint_id=history.id, state=ShardState.SUPERSEDED.value, error_code="superseded", error=reason,
+            verify_seq=Shard.verify_seq + 1))  # a verification of it in flight can no longer store
+        session.execute(update(Shard).where(Shard.id.in_(stale)).values(checkpoint_id=history.id))
+        session.add_all([VerificationEvent(checkpoint_id=history.id, shard_id=sid, kind="layout", outcome="superseded",
+                                           detail=reason) for sid in stale])
+    ckpt.strategy_id, ckpt.expected_ranks = new.id, new.world_size
+    ckpt.step_checks_ok = ckpt.reason = ckpt.global_step = None  # checked again, under the new layout
+    add_event(session, ckpt.id, None, "layout", "rebound",
+              f"step re-saved under strategy {new.content_hash} (world {new.world_size}), was {old.content_hash} "
+              f"(world {old.world_size}); {len(stale)} shard(s) of the old layout superseded")
+
+
+def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: str) -> Checkpoint:
+    now = datetime.now(timezone.utc)
+    key = {"run_id": ckpt.run_id, "prefix": ckpt.prefix, "epoch": ckpt.epoch, "step": ckpt.step,
+           "kind": SUPERSEDED_KIND, "layout": old.content_hash}
+    _insert_ignore(session, Checkpoint, key | {
+        "state": StepState.SUPERSEDED.value, "expected_ranks": old.world_size, "strategy_id": old.id,
+        "global_step": ckpt.global_step, "reason": reason, "pinned": False, "marked_bad": False,
+        "created_at": now, "updated_at": now,
+    }, list(key))
+    q = select(Checkpoint).where(*(getattr(Checkpoint, k) == v for k, v in key.items()))
+    return session.execute(_lock(q, session)).scalar_one()
+
+
+def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
+    """The superseded-history rows of a step (locked; caller holds the step's lock)."""
+    q = select(Checkpoint).where(
+        Checkpoint.run_id == ckpt.run_id, Checkpoint.prefix == ckpt.prefix, Checkpoint.epoch == ckpt.epoch,
+        Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
+    ).order_by(Checkpoint.id)
+    return list(session.execute(_lock(q, session)).scalars())
+
+
+def drop_empty_history(session: Session, ckpt: Checkpoint, history_ids: set[int]) -> None:
+    """History rows of ``ckpt`` left without shards (each was rewritten and is the step's again)
+    go; their events move to the step, so the story of each shard stays in one place."""
+    for row in history_rows(session, ckpt):
+        if row.id not in history_ids:
+            continue
+        if session.execute(select(Shard.id).where(Shard.checkpoint_id == row.id).limit(1)).first() is not None:
+            continue
+        session.execute(update(VerificationEvent).where(VerificationEvent.checkpoint_id == row.id)
+                        .values(checkpoint_id=ckpt.id))
+        session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
 
 
 def latest_restorable(session: Session, run_id: int, *, max_step: int | None = None) -> Checkpoint | None:

@@ -2,7 +2,11 @@
 
 The full rescan is the source of truth (files that appeared, changed or vanished while nobody
 watched are all found); file events only make it fast by examining single paths early. Both
-paths end in the same idempotent ``_ingest_shard`` / ``_ingest_strategy``.
+paths end in the same idempotent ``_ingest_checkpoint`` / ``_ingest_strategy``.
+
+Layout changes (rule in :mod:`ckptd.states`) are followed from both ends, so the order in which
+a strategy file and the re-saved shards are seen does not matter: a checkpoint's ingest checks
+its own step, a strategy file's ingest checks every step bound to an older content of that file.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from ckptd import runlayout
 from ckptd.catalog import repo
@@ -25,7 +29,7 @@ from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
 from ckptd.settings import Settings
-from ckptd.states import ShardState, StepState
+from ckptd.states import RESAVABLE_KINDS, ShardState, StepState, layout_resave
 
 log = logging.getLogger("ckptd.ingest")
 _BATCH = 512  # shard paths a rescan examines per batch
@@ -119,14 +123,15 @@ class Ingestor:
 
     def _known_stats(self) -> dict[str, tuple[int, int, int, int, str]]:
         """(size, mtime_ns, inode, id, state) of every catalogued shard under the root that
-        needs no new examination while its file is unchanged: settled (verified/corrupt) ones,
-        and complete ones (they parsed at ingest and only wait for verification)."""
+        needs no new examination while its file is unchanged: settled (verified/corrupt/
+        superseded) ones, and complete ones (they parsed at ingest and only wait for verification)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             rows = s.execute(
                 select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state).where(
                     Shard.path.startswith(prefix, autoescape=True),
-                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value)),
+                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value,
+                                     ShardState.SUPERSEDED.value)),
                 )
             ).all()
         return {p: (size, mtime, inode, sid, state) for p, size, mtime, inode, sid, state in rows}
@@ -227,6 +232,11 @@ class Ingestor:
             elif ckpt.expected_ranks is None and expected is not None:
                 ckpt.expected_ranks = expected
             registered = repo.register_shards(s, ckpt, [f for _, f, _ in files])
+            if strategy is not None and ckpt.strategy_id not in (None, strategy.id):
+                self._follow_layout_change(s, ckpt)  # no-op unless the step was re-saved under a newer layout
+            back = {reg.moved_from for reg in registered if reg.moved_from is not None}
+            if back:  # superseded shards rewritten: they are the step's again
+                repo.drop_empty_history(s, ckpt, back)
             to_verify: list[int] = []
             for reg, (_, f, parse_error) in zip(registered, files, strict=True):
                 if reg.changed and parse_error is not None:
@@ -245,6 +255,55 @@ class Ingestor:
         elif step_state == StepState.PENDING:
             self.submit_step(ckpt_id)  # every shard verified but the step checks never ran (e.g. a crash)
         return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
+
+    @staticmethod
+    def _follow_layout_change(s: Session, ckpt: Checkpoint) -> bool:
+        """Re-bind ``ckpt`` (locked) if it was re-saved under the layout its strategy file holds
+        now, superseding its shards of the old layout (``states.layout_resave``). True if it did."""
+        if ckpt.kind not in RESAVABLE_KINDS or ckpt.strategy_id is None or ckpt.state == StepState.DELETING.value:
+            return False
+        rows = repo.strategy_rows(s, ckpt.run_id)
+        bound = next((r for at_path in rows.values() for r in at_path if r.id == ckpt.strategy_id), None)
+        if bound is None:
+            return False
+        now = rows[bound.path][0]  # what the file the step was saved with holds now
+        if not now.valid:
+            return False  # a file that does not parse says nothing about the layout
+        shards = {sid: (rank, mtime) for sid, rank, mtime in s.execute(
+            select(Shard.id, Shard.rank, Shard.mtime_ns).where(Shard.checkpoint_id == ckpt.id)).all()}
+        resave = layout_resave(bound.content_hash, now.content_hash, now.world_size, now.appeared_ns, shards)
+        if resave is None:
+            return False
+        repo.rebind_resaved_step(s, ckpt, bound, now, sorted(resave.superseded))
+        log.info("run %d step %d was re-saved under strategy %s: re-bound, %d shard(s) of %s superseded",
+                 ckpt.run_id, ckpt.step, now.content_hash[:19], len(resave.superseded), bound.content_hash[:19])
+        return True
+
+    def _follow_layout_changes(self, run_id: int) -> None:
+        """After a strategy file was seen: steps bound to an older content of a strategy file with
+        a shard written after the file's current content appeared were re-saved under it. Finds
+        those whose shards were catalogued before the new strategy (file events in either order,
+        a crash between the two); a run whose strategy files never changed costs one query."""
+        candidates: set[int] = set()
+        with self.sessions() as s:
+            for at_path in repo.strategy_rows(s, run_id).values():
+                now, older = at_path[0], [r.id for r in at_path[1:] if r.content_hash != at_path[0].content_hash]
+                if not now.valid or not older:
+                    continue
+                written_after = select(Shard.id).where(
+                    Shard.checkpoint_id == Checkpoint.id, Shard.mtime_ns >= now.appeared_ns,
+                    Shard.rank < now.world_size)
+                candidates.update(s.execute(select(Checkpoint.id).where(
+                    Checkpoint.run_id == run_id, Checkpoint.kind.in_(RESAVABLE_KINDS),
+                    Checkpoint.strategy_id.in_(older), written_after.exists())).scalars())
+        for ckpt_id in sorted(candidates):  # one transaction per step: it locks that one row (and its history)
+            with self.sessions.begin() as s:
+                ckpt = repo.lock_checkpoint(s, ckpt_id)
+                if not self._follow_layout_change(s, ckpt):
+                    continue
+                state = repo.recompute_step_state(s, ckpt)
+            if state == StepState.PENDING:
+                self.submit_step(ckpt_id)  # every shard of the new layout verified: check the step under it
 
     def _parse_error(self, path: str) -> CkptdError | None:
         """'complete' requires that the file parses; this reads record headers only."""
@@ -303,6 +362,7 @@ class Ingestor:
     def _ingest_strategy(self, run_name: str, path: str) -> str:
         try:
             with open(path, "rb") as fh:
+                mtime_ns = os.fstat(fh.fileno()).st_mtime_ns  # when this layout appeared, if it is new here
                 content = fh.read(MAX_STRATEGY_BYTES + 1)
         except OSError:
             return "ignored"
@@ -315,18 +375,26 @@ class Ingestor:
             log.warning("strategy file %s does not parse: %s", path, err)
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
-            repo.upsert_strategy(s, run, path, digest, fmt, world, stages, error, content)
+            repo.upsert_strategy(s, run, path, digest, fmt, world, stages, error, content, mtime_ns)
             if error is None:
                 run.world_size = world
+            run_id = run.id
+        self._follow_layout_changes(run_id)
         return "same"
 
-    @staticmethod
-    def _current_strategy(s: Session, run: Run) -> StrategyFile | None:
-        return s.execute(
-            select(StrategyFile)
+    def _current_strategy(self, s: Session, run: Run) -> StrategyFile | None:
+        """The newest valid strategy file of the run's own directory. Conversions register the
+        strategy of each copy they write for the run too; a new step is never bound to one."""
+        rows = s.execute(
+            select(StrategyFile).options(defer(StrategyFile.content))  # one query; the blobs are not needed here
             .where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
             .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())
-        ).scalars().first()
+        ).scalars()
+        for row in rows:
+            name = runlayout.classify(self.root, row.path)
+            if isinstance(name, runlayout.StrategyName) and name.run == run.name:
+                return row
+        return None
 
     def _expected_ranks(self, run: Run, strategy: StrategyFile | None) -> int | None:
         """Strategy file first, then configuration, then the rank directories that exist."""
@@ -344,7 +412,7 @@ class Ingestor:
                 select(Shard.id)
                 .join(Checkpoint, Shard.checkpoint_id == Checkpoint.id)
                 .join(Run, Checkpoint.run_id == Run.id)
-                .where(Run.name == run, Shard.state != ShardState.DELETED.value)
+                .where(Run.name == run, Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))
             )
             if step is not None:
                 q = q.where(Checkpoint.step == step)

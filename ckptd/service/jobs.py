@@ -54,7 +54,8 @@ def list_jobs(s: Session, limit: int = 100) -> list[dict[str, Any]]:
 def select_shards(s: Session, run_name: str, step: int | None) -> tuple[Run, list[tuple[int, str, int]]]:
     run = get_run(s, run_name)
     q = select(Shard.id, Shard.path, Shard.checkpoint_id).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
-        Checkpoint.run_id == run.id, Shard.state != ShardState.DELETED.value
+        Checkpoint.run_id == run.id,
+        Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # history rows are no steps
     )
     if step is not None:
         q = q.where(Checkpoint.id == get_step(s, run, step).id)

@@ -47,7 +47,9 @@ class ResumeOptions:
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
-    """The run's trained steps, newest first (plain column rows: this is the oracle's hot path)."""
+    """The run's trained steps, newest first (plain column rows: this is the oracle's hot path).
+    Only ``trained`` rows: converted copies are served through their source step, and the history
+    rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps."""
     q = (
         select(Checkpoint.id, Checkpoint.step, Checkpoint.global_step, Checkpoint.state, Checkpoint.reason,
                Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned, Checkpoint.lease_until)

@@ -5,6 +5,11 @@
 2. delete the shard files (only real files inside the checkpoint root — never through a symlink);
 3. delete the rows. A crash between 1 and 3 leaves steps in ``deleting``; ``finish_pending``
    (run at daemon start and by every gc) completes them.
+
+A step re-saved under a newer layout has history rows (``kind = 'superseded'``, see
+:mod:`ckptd.states`) holding the files the old layout left in the step's place. Plans never see
+them (they read ``trained`` steps), so they can never keep a step alive; they are marked together
+with their step and so deleted with it, files included.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import resolves_inside, sidecar_for
@@ -94,8 +100,13 @@ def gc(
             if dry_run or not ids:
                 continue
             # phase 1: mark, in the same transaction that planned (rows locked on PostgreSQL)
-            for c in s.execute(_locked(select(Checkpoint).where(Checkpoint.id.in_(ids)), s)).scalars():
+            planned = select(Checkpoint).where(Checkpoint.id.in_(ids)).order_by(Checkpoint.id)
+            steps = s.execute(_locked(planned, s)).scalars().all()
+            for c in steps:
                 c.state = StepState.DELETING.value
+            for c in steps:  # each step's history after all steps: the lock order is step, then its history
+                for h in repo.history_rows(s, c):
+                    h.state = StepState.DELETING.value
     if not dry_run:
         if os.environ.get("CKPTD_FAULT_GC_CRASH_AFTER_MARK") == "1":  # test hook: die between phases 1 and 2
             os.kill(os.getpid(), signal.SIGKILL)
