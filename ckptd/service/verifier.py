@@ -317,23 +317,28 @@ class Verifier:
         return self._strategies[key]
 
     def _maybe_check_step(self, ckpt_id: int) -> None:
-        with self.sessions() as s:
-            ckpt = s.get(Checkpoint, ckpt_id)
-            if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
-                return
-            counts = dict(s.execute(select(Shard.state, func.count()).where(
-                Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
-            if set(counts) != {ShardState.VERIFIED.value} or counts[ShardState.VERIFIED.value] < ckpt.expected_ranks:
-                return
         with self._cond:  # the last two shards of a step can finish at the same moment: check once
             if ckpt_id in self._checking:
                 return
             self._checking.add(ckpt_id)
         try:
-            self.check_step(ckpt_id)
+            # Read only after claiming: a check of this step that finished just before our claim
+            # has committed its verdict by now, so it is not run a second time.
+            if self._step_ready(ckpt_id):
+                self.check_step(ckpt_id)
         finally:
             with self._cond:
                 self._checking.discard(ckpt_id)
+
+    def _step_ready(self, ckpt_id: int) -> bool:
+        """Every expected shard verified and the step checks not run yet."""
+        with self.sessions() as s:
+            ckpt = s.get(Checkpoint, ckpt_id)
+            if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
+                return False
+            counts = dict(s.execute(select(Shard.state, func.count()).where(
+                Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
+            return set(counts) == {ShardState.VERIFIED.value} and counts[ShardState.VERIFIED.value] >= ckpt.expected_ranks
 
     def check_step(self, ckpt_id: int) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification)."""
