@@ -510,6 +510,13 @@ def run_query_bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[s
 # --- report ----------------------------------------------------------------------------------
 
 
+def _busy_loop() -> None:
+    """A stand-in for a trainer sharing the node: one core, pure CPU, until terminated."""
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
 def machine_facts(backends: list[str]) -> dict[str, str]:
     import sqlalchemy
     import watchdog.version
@@ -645,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trickle-rate", type=float, default=5.0, help="trickle shards per second")
     ap.add_argument("--watch", default="auto",
                     help="Settings.watch_backend(s) to compare, e.g. inotify,watchdog (each gets its own run)")
+    ap.add_argument("--cpu-hog", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes throughout (CPU taken by a trainer on the same node)")
     ap.add_argument("--workers", type=int, default=2, help="Settings.verify_workers")
     ap.add_argument("--rescan-interval", type=float, default=30.0)
     ap.add_argument("--stall", type=float, default=45.0, help="give up when nothing gets verified this long")
@@ -671,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
         verifier_mod._DIGEST_CHUNK = args.experiment_digest_chunk << 20
     t_all = time.perf_counter()
     facts = machine_facts(backends)
+    hogs = [multiprocessing.get_context("spawn").Process(target=_busy_loop, daemon=True) for _ in range(args.cpu_hog)]
+    for hog in hogs:
+        hog.start()
+    if hogs:
+        facts["competing load"] = f"{len(hogs)} busy-loop process(es) for the whole run (a trainer on the same cores)"
     ingest: list[dict] = []
     query: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp"))
@@ -686,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                 query.append(run_query_bench(backend, args, tmp))
                 log.info("  %s", query[-1])
     finally:
+        for hog in hogs:
+            hog.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     facts["load average at end (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(render(facts, args, ingest, query, time.perf_counter() - t_all))

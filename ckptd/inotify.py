@@ -31,7 +31,7 @@ import os
 import select
 import struct
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ckptd.errors import CkptdError
 

@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Callable, Literal, Protocol
+from collections.abc import Callable
+from typing import Literal, Protocol
 
 from watchdog.events import (
     DirCreatedEvent,
