@@ -103,6 +103,7 @@ class Verifier:
         self._active = 0
         self._closed = False
         self._checking: set[int] = set()
+        self._check_again: set[int] = set()  # asked for while claimed (see _maybe_check_step)
         self._strategies: dict[tuple[str, str], Strategy] = {}
         self.verified_count = 0
         self.failed_count = 0
@@ -317,18 +318,31 @@ class Verifier:
         return self._strategies[key]
 
     def _maybe_check_step(self, ckpt_id: int) -> None:
-        with self._cond:  # the last two shards of a step can finish at the same moment: check once
+        """Run the step checks if they are due, once. The last two shards of a step can finish at
+        the same moment, and a rescan can ask again meanwhile: one caller claims the step, and
+        reads whether checks are due only after claiming (a check that finished just before has
+        committed its verdict by then). A caller refused because the step is claimed leaves a note,
+        and the holder reads once more before letting go: the refused caller may have committed
+        the step's last verdict after the holder's read."""
+        with self._cond:
             if ckpt_id in self._checking:
+                self._check_again.add(ckpt_id)
                 return
             self._checking.add(ckpt_id)
         try:
-            # Read only after claiming: a check of this step that finished just before our claim
-            # has committed its verdict by now, so it is not run a second time.
-            if self._step_ready(ckpt_id):
-                self.check_step(ckpt_id)
-        finally:
+            while True:
+                if self._step_ready(ckpt_id):
+                    self.check_step(ckpt_id)
+                with self._cond:  # decide and let go under one lock: no note can slip in between
+                    if ckpt_id not in self._check_again:
+                        self._checking.discard(ckpt_id)
+                        return
+                    self._check_again.discard(ckpt_id)
+        except BaseException:
             with self._cond:
                 self._checking.discard(ckpt_id)
+                self._check_again.discard(ckpt_id)
+            raise
 
     def _step_ready(self, ckpt_id: int) -> bool:
         """Every expected shard verified and the step checks not run yet."""
