@@ -356,3 +356,42 @@ def test_step_whose_checks_never_ran_is_checked_after_restart(ms, root, catalog_
     engine.dispose()
     _run_daemon_until(root, catalog_url, {100: "verified"}, rescan_interval=30)
     assert query(catalog_url, "SELECT step_checks_ok, global_step FROM checkpoints") == [(True, 100)]
+
+
+def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
+    """The last shards of a step finish together and a rescan may ask as well: however many
+    callers ask at once, the step is checked once and ends verified (one verdict, one event)."""
+    import threading
+
+    from sqlalchemy.orm import sessionmaker
+
+    from ckptd.format.index_cache import IndexCache
+    from ckptd.service.verifier import Verifier
+
+    write_tp_strategy(root / "run1")
+    for rank in range(2):
+        save_shard(ms, root, "run1", rank, 100)
+    _run_daemon_until(root, catalog_url, {100: "verified"}, rescan_interval=30)
+    engine = make_engine(catalog_url)
+    with engine.begin() as conn:  # every shard verified, the step checks not run yet
+        conn.exec_driver_sql("UPDATE checkpoints SET state = 'pending', step_checks_ok = NULL")
+        conn.exec_driver_sql("DELETE FROM verification_events WHERE kind = 'step'")
+    ((ckpt_id,),) = query(catalog_url, "SELECT id FROM checkpoints")
+    verifier = Verifier(Settings(root=root, db=catalog_url), sessionmaker(engine, expire_on_commit=False), IndexCache())
+    start = threading.Barrier(8)
+
+    def ask() -> None:
+        start.wait()
+        verifier._maybe_check_step(ckpt_id)
+
+    askers = [threading.Thread(target=ask) for _ in range(8)]
+    try:
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join(60)
+    finally:
+        verifier.close()
+        engine.dispose()
+    assert step_states(catalog_url) == {100: "verified"}
+    assert query(catalog_url, "SELECT outcome FROM verification_events WHERE kind = 'step'") == [("ok",)]
