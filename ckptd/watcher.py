@@ -100,7 +100,7 @@ class _InotifySource:
     def __init__(self, root: str, watcher: "Watcher") -> None:
         from ckptd.inotify import InotifyTree
 
-        self.tree = InotifyTree(root, watcher.poke_many, watcher.events_lost, wanted=wanted_name)
+        self.tree = InotifyTree(root, watcher.poke_many, watcher.lost_events, wanted=wanted_name)
 
     def start(self) -> None:
         self.tree.open()
@@ -110,11 +110,16 @@ class _InotifySource:
         self.tree.close()
 
 
-def _event_source(backend: str, root: str, watcher: "Watcher") -> _EventSource:
-    if backend == "auto":
-        from ckptd import inotify
+def resolve_backend(backend: str) -> str:
+    """``auto`` → ``inotify`` where the kernel has it (Linux), else ``watchdog``."""
+    if backend != "auto":
+        return backend
+    from ckptd import inotify
 
-        backend = "inotify" if sys.platform.startswith("linux") and inotify.available() else "watchdog"
+    return "inotify" if sys.platform.startswith("linux") and inotify.available() else "watchdog"
+
+
+def _event_source(backend: str, root: str, watcher: "Watcher") -> _EventSource:
     return _InotifySource(root, watcher) if backend == "inotify" else _WatchdogSource(root, watcher.poke)
 
 
@@ -126,7 +131,7 @@ class Watcher:
         backend: Literal["auto", "inotify", "watchdog"] = "auto",
     ) -> None:
         self.ingestor = ingestor
-        self.backend = backend
+        self.backend = resolve_backend(backend)  # what runs, for /healthz
         self.debounce = debounce
         self.rescan_interval = rescan_interval
         self.settle_seconds = settle_seconds
@@ -137,6 +142,7 @@ class Watcher:
         self._source: _EventSource | None = None
         self._thread = threading.Thread(target=self._loop, name="ckptd-ingest", daemon=True)
         self.rescans = 0
+        self.events_lost = 0  # times the event source may have missed changes (each one asks for a rescan)
         self._busy = False
         self._rescan_now = False
         self.ready = threading.Event()  # set after the first full rescan
@@ -162,9 +168,10 @@ class Watcher:
                 heapq.heappush(self._due, (due, path))
             self._cond.notify()
 
-    def events_lost(self, why: str) -> None:
+    def lost_events(self, why: str) -> None:
         """The event source may have missed changes: reconcile with a full rescan (the truth)."""
         log.warning("file events may have been lost (%s); rescanning", why)
+        self.events_lost += 1
         self.poke_rescan()
 
     def poke_rescan(self) -> None:

@@ -184,7 +184,9 @@ def test_steps_shards_jobs_metrics_and_openapi(ms, root, server):
     metrics = c.get("/metrics").text
     assert 'ckptd_shards{state="verified"} 4' in metrics
     assert 'ckptd_recovery_point_seconds{run="run1"}' in metrics and "ckptd_verified_bytes_total" in metrics
-    assert server.client().get("/healthz").json()["status"] == "ok"
+    assert "ckptd_file_events_lost_total 0" in metrics and "ckptd_rescans_total" in metrics
+    health = server.client().get("/healthz").json()
+    assert health["status"] == "ok" and health["file_events"] == "inotify" and health["file_events_lost"] == 0
     schema = server.client().get("/openapi.json").json()
     resume_schema = schema["components"]["schemas"]["ResumeAnswer"]
     assert {"step", "epoch", "strategy_file", "shards", "skipped"} <= set(resume_schema["required"])

@@ -25,7 +25,8 @@ router = APIRouter(tags=["system"])
 def healthz(request: Request, s: SessionDep) -> dict[str, Any]:
     s.execute(select(1))
     watcher = request.app.state.daemon.watcher
-    return {"status": "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(), "rescans": watcher.rescans}
+    return {"status": "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(), "rescans": watcher.rescans,
+            "file_events": watcher.backend, "file_events_lost": watcher.events_lost}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
@@ -47,6 +48,12 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# HELP ckptd_verified_bytes_total Bytes verified since start.",
         "# TYPE ckptd_verified_bytes_total counter",
         f"ckptd_verified_bytes_total {verifier.verified_bytes}",
+        "# HELP ckptd_rescans_total Full rescans of the checkpoint root since start.",
+        "# TYPE ckptd_rescans_total counter",
+        f"ckptd_rescans_total {request.app.state.daemon.watcher.rescans}",
+        "# HELP ckptd_file_events_lost_total Times file events may have been lost (queue overflow, watch limit); each triggers a rescan.",
+        "# TYPE ckptd_file_events_lost_total counter",
+        f"ckptd_file_events_lost_total {request.app.state.daemon.watcher.events_lost}",
         "# HELP ckptd_verification_seconds_total Time spent verifying shards.",
         "# TYPE ckptd_verification_seconds_total counter",
         f"ckptd_verification_seconds_total {verifier.verify_seconds:.6f}",
