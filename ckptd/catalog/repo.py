@@ -42,8 +42,22 @@ def _insert_ignore(session: Session, model: type, values: dict[str, Any], confli
     return session.execute(stmt).first() is not None
 
 
-def _lock(stmt: Select, session: Session) -> Select:
-    return stmt.with_for_update() if session.get_bind().dialect.name == "postgresql" else stmt
+def for_update(stmt: Select, session: Session) -> Select:
+    """``stmt`` reading rows this transaction will modify, locked until commit.
+
+    PostgreSQL: row locks (``FOR UPDATE``). SQLite has no row locks: the database's write lock is
+    taken *now*, before the read (``BEGIN IMMEDIATE``). Otherwise pysqlite's deferred transaction
+    reads first, waits for the lock at its first write, and then writes what it derived from a
+    read another thread's commit has made stale meanwhile (seen: a verifier worker stored a
+    step's state as ``pending`` over the step check that had just passed). ``populate_existing``:
+    objects this session loaded before the lock are refreshed from the locked read."""
+    stmt = stmt.execution_options(populate_existing=True)
+    if session.get_bind().dialect.name == "postgresql":
+        return stmt.with_for_update()
+    raw = session.connection().connection.driver_connection  # the sqlite3.Connection
+    if not raw.in_transaction:  # already in one: an earlier write of ours holds the lock
+        raw.execute("BEGIN IMMEDIATE")
+    return stmt
 
 
 def get_or_create_run(session: Session, name: str, path: str) -> Run:
@@ -138,7 +152,7 @@ def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) 
     existing: dict[str, Shard] = {}
     for i in range(0, len(known), _ROWS_PER_SELECT):
         paths = [f.path for f in known[i : i + _ROWS_PER_SELECT]]
-        q = _lock(select(Shard).where(Shard.path.in_(paths)).order_by(Shard.id), session)
+        q = for_update(select(Shard).where(Shard.path.in_(paths)).order_by(Shard.id), session)
         existing.update({row.path: row for row in session.execute(q).scalars()})
     out = []
     for f in files:
@@ -295,7 +309,7 @@ def add_event(
 
 
 def lock_checkpoint(session: Session, ckpt_id: int) -> Checkpoint:
-    return session.execute(_lock(select(Checkpoint).where(Checkpoint.id == ckpt_id), session)).scalar_one()
+    return session.execute(for_update(select(Checkpoint).where(Checkpoint.id == ckpt_id), session)).scalar_one()
 
 
 def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
@@ -427,7 +441,7 @@ def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: s
         "created_at": now, "updated_at": now,
     }, list(key))
     q = select(Checkpoint).where(*(getattr(Checkpoint, k) == v for k, v in key.items()))
-    return session.execute(_lock(q, session)).scalar_one()
+    return session.execute(for_update(q, session)).scalar_one()
 
 
 def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
@@ -436,7 +450,7 @@ def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
         Checkpoint.run_id == ckpt.run_id, Checkpoint.prefix == ckpt.prefix, Checkpoint.epoch == ckpt.epoch,
         Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
     ).order_by(Checkpoint.id)
-    return list(session.execute(_lock(q, session)).scalars())
+    return list(session.execute(for_update(q, session)).scalars())
 
 
 def drop_empty_history(session: Session, ckpt: Checkpoint, history_ids: set[int]) -> None:

@@ -115,7 +115,7 @@ def gc(
 
 
 def _locked(stmt, s: Session):  # noqa: ANN001, ANN202
-    return stmt.with_for_update() if s.get_bind().dialect.name == "postgresql" else stmt
+    return repo.for_update(stmt, s)
 
 
 def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
