@@ -45,6 +45,7 @@ IN_CREATE = 0x00000100
 IN_DELETE = 0x00000200
 IN_DELETE_SELF = 0x00000400
 IN_MOVE_SELF = 0x00000800
+IN_UNMOUNT = 0x00002000
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
@@ -59,6 +60,7 @@ _MASK = (IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | 
          | IN_ONLYDIR | IN_DONT_FOLLOW | IN_EXCL_UNLINK)
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 _READ_SIZE = 256 * 1024  # ~900 shard renames per read(); the kernel never splits an event
+_ROOT_RETRY_MS = 2000
 
 
 class InotifyError(CkptdError):
@@ -133,6 +135,9 @@ class InotifyTree:
             os.write(self._wake_w, b"x")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+            if self._thread.is_alive():  # still walking a huge tree: leak the fds rather than pull them away
+                log.warning("inotify reader did not stop within 5 s; leaving its descriptors open")
+                return
         for fd in (self._fd, self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -149,9 +154,19 @@ class InotifyTree:
         poller.register(self._fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in poller.poll()}
+            # the root itself gone (deleted, moved, unmounted): look for it again every few seconds
+            root_gone = self.root not in self._wd_of
+            ready = {fd for fd, _ in poller.poll(_ROOT_RETRY_MS if root_gone else None)}
             if self._wake_r in ready:
                 return
+            if root_gone and os.path.isdir(self.root):
+                paths = self._add_tree(self.root, report=True)
+                if self.root in self._wd_of:
+                    self.on_lost("the checkpoint root is back")  # what happened meanwhile: the rescan finds it
+                    if paths:
+                        self.on_paths(paths)
+            if self._fd not in ready:
+                continue
             try:
                 buf = os.read(self._fd, _READ_SIZE)
             except BlockingIOError:
@@ -183,8 +198,10 @@ class InotifyTree:
             if base is None:
                 continue
             if not name:  # about the watched directory itself
-                if mask & (IN_DELETE_SELF | IN_MOVE_SELF) and base == self.root:
-                    self.on_lost("the checkpoint root was deleted or moved")
+                if mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT) and base == self.root:
+                    self.on_lost("the checkpoint root was deleted, moved or unmounted")
+                    if mask & IN_MOVE_SELF:  # the watch follows the moved inode: stop it, wait for the root
+                        self._forget_tree(self.root)
                 continue
             sname = os.fsdecode(name)
             path = base + os.sep + sname
@@ -237,7 +254,10 @@ class InotifyTree:
         stack = [top]
         while stack:
             path = stack.pop()
-            if path not in self._wd_of and self._watch(path) is None:
+            # always ask the kernel: it returns the existing watch for a watched inode, and a new
+            # one for a directory re-created under a name whose old watch is not gone yet (its
+            # IN_IGNORED comes only once nothing holds the old inode open)
+            if self._watch(path) is None:
                 continue
             try:
                 with os.scandir(path) as it:

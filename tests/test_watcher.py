@@ -94,6 +94,44 @@ def test_a_directory_moved_away_asks_for_a_rescan(tree, tmp_path):
         shutil.rmtree(outside)
 
 
+def test_a_directory_recreated_while_its_old_inode_is_held_open_is_watched_again(tree, tmp_path):
+    t, rec = tree
+    rank = tmp_path / "run" / "rank_0"
+    rank.mkdir(parents=True)
+    old = rank / "net-1_1.ckpt"
+    old.write_bytes(b"a")
+    t.start()
+    with open(old, "rb"):  # e.g. the verifier reading it: the old inodes outlive the rmtree
+        shutil.rmtree(tmp_path / "run")
+        rank.mkdir(parents=True)
+        new = rank / "net-1_2.ckpt"
+        new.write_bytes(b"b")
+        wait_for(lambda: rec.seen(new), 10, what="a file in the re-created directory")
+    later = rank / "net-1_3.ckpt"
+    later.write_bytes(b"c")  # after the old inodes' IN_IGNORED: still watched
+    wait_for(lambda: rec.seen(later), 10, what="a later file in the re-created directory")
+
+
+def test_the_root_deleted_and_recreated_is_watched_again(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    rec = _Recorder()
+    t = InotifyTree(str(root), rec.on_paths, rec.on_lost, wanted=wanted_name)
+    t.open()
+    try:
+        t.start()
+        root.rmdir()
+        wait_for(lambda: rec.lost, 10, what="the root's loss reported")
+        root.mkdir()
+        wait_for(lambda: "the checkpoint root is back" in rec.lost, 10, what="the root watched again")
+        shard = root / "run" / "rank_0" / "net-1_1.ckpt"
+        shard.parent.mkdir(parents=True)
+        shard.write_bytes(b"x")
+        wait_for(lambda: rec.seen(shard), 10, what="a file below the re-created root")
+    finally:
+        t.close()
+
+
 def test_queue_overflow_asks_for_a_rescan_and_watches_what_it_missed(tmp_path):
     limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
     flood = tmp_path / "flood"
