@@ -192,6 +192,13 @@ def test_4_to_2_ranks_resave_supersedes_old_ranks_and_retention_takes_them_along
     assert [s["rank"] for s in newest["shards"]] == [0, 1]
     older = _resume(daemon, max_step=20)
     assert (older["step"], older["world_size"], older["strategy_hash"]) == (10, 4, a)
+    # a leftover of a rank outside the new world touched (a backup restore, an operator): history it stays
+    leftover = root / RUN / "rank_3" / "net-1_30.ckpt"
+    os.utime(leftover, ns=(leftover.stat().st_atime_ns, leftover.stat().st_mtime_ns + 10**9))
+    daemon.watcher.poke_rescan()
+    assert daemon.wait_idle(30)
+    _settled(daemon, catalog_url, {10: "verified", 30: "verified"}, {10: (4, a), 30: (2, b)})
+    _assert_4_to_2(catalog_url, root, a, b)
     # the new job goes on; retention deletes the re-saved step together with its superseded files
     _save(ms, root, 40, range(2), tp=2)
     _settled(daemon, catalog_url, {10: "verified", 30: "verified", 40: "verified"})

@@ -17,7 +17,6 @@ from sqlalchemy import (
     DateTime,
     Select,
     bindparam,
-    delete,
     distinct,
     func,
     insert,
@@ -54,9 +53,9 @@ def for_update(stmt: Select, session: Session) -> Select:
     stmt = stmt.execution_options(populate_existing=True)
     if session.get_bind().dialect.name == "postgresql":
         return stmt.with_for_update()
-    raw = session.connection().connection.driver_connection  # the sqlite3.Connection
-    if not raw.in_transaction:  # already in one: an earlier write of ours holds the lock
-        raw.execute("BEGIN IMMEDIATE")
+    conn = session.connection()
+    if not conn.connection.driver_connection.in_transaction:  # in one: an earlier write of ours holds the lock
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # through SQLAlchemy: a busy timeout raises its wrapped error
     return stmt
 
 
@@ -128,10 +127,16 @@ class Registered:
 _ROWS_PER_SELECT = 500  # well under SQLite's bound-parameter limit
 
 
-def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) -> list[Registered]:
+def register_shards(
+    session: Session, ckpt: Checkpoint, files: list[ShardFile], layout_now: tuple[int, int] | None = None
+) -> list[Registered]:
     """Insert the rows of new shard files of one checkpoint (caller holds its lock) in multi-row
     ``INSERT … ON CONFLICT DO NOTHING RETURNING`` statements; paths already catalogued are
-    compared with what is on disk. Returns one ``Registered`` per file, in order."""
+    compared with what is on disk. Returns one ``Registered`` per file, in order.
+
+    ``layout_now``: (world size, appeared_ns) of the run's current strategy. A superseded file
+    that changed comes back to the step only if it can belong to that layout (states.layout_resave:
+    a rank inside its world, written after it appeared); a leftover merely touched stays history."""
     now = datetime.now(timezone.utc)
     dialect = session.get_bind().dialect.name
     table = Shard.__table__
@@ -161,7 +166,15 @@ def register_shards(session: Session, ckpt: Checkpoint, files: list[ShardFile]) 
             continue
         shard = existing[f.path]
         st = f.stat
-        if (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode) or shard.state == ShardState.DELETED.value:
+        changed = (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode)
+        if (changed and shard.state == ShardState.SUPERSEDED.value and layout_now is not None
+                and not (f.rank < layout_now[0] and st.mtime_ns >= layout_now[1])):
+            # a leftover of an older layout touched or restored: it cannot be the current layout's
+            session.execute(update(Shard).where(Shard.id == shard.id).values(
+                size=st.size, mtime_ns=st.mtime_ns, inode=st.inode, seen_at=now))
+            out.append(Registered(shard.id, shard.state, False))
+            continue
+        if changed or shard.state == ShardState.DELETED.value:
             # read before the update: it synchronizes the loaded row
             moved = shard.checkpoint_id if shard.checkpoint_id != ckpt.id else None
             # the file was replaced or came back: everything we knew about it is void
@@ -374,96 +387,6 @@ def upsert_strategy(
     if head != row.id:  # the file went back to a content it had before: that layout is the newest again
         row.seen_at, row.mtime_ns = datetime.now(timezone.utc), mtime_ns
     return row
-
-
-# --- layout changes (see ckptd.states: a step re-saved under a newer strategy) ---------------------
-
-
-@dataclass(frozen=True)
-class StrategyRow:
-    """A strategy file row without its content (what layout-change decisions need)."""
-
-    id: int
-    path: str
-    content_hash: str
-    world_size: int
-    valid: bool
-    appeared_ns: int  # the file's mtime when this content was (last) first seen; seen_at for old rows
-
-
-def strategy_rows(session: Session, run_id: int) -> dict[str, list[StrategyRow]]:
-    """A run's strategy rows by path, newest first: ``[0]`` is what the file holds now."""
-    rows = session.execute(
-        select(StrategyFile.id, StrategyFile.path, StrategyFile.content_hash, StrategyFile.world_size,
-               StrategyFile.error, StrategyFile.mtime_ns, StrategyFile.seen_at)
-        .where(StrategyFile.run_id == run_id)
-        .order_by(StrategyFile.path, StrategyFile.seen_at.desc(), StrategyFile.id.desc())
-    ).all()
-    out: dict[str, list[StrategyRow]] = {}
-    for sid, path, digest, world, error, mtime_ns, seen_at in rows:
-        if mtime_ns is None:  # a row from before migration 0004: ckptd's clock is the best there is
-            seen = seen_at if seen_at.tzinfo else seen_at.replace(tzinfo=timezone.utc)
-            mtime_ns = int(seen.timestamp() * 1e9)
-        out.setdefault(path, []).append(StrategyRow(sid, path, digest, world, error is None, mtime_ns))
-    return out
-
-
-def rebind_resaved_step(
-    session: Session, ckpt: Checkpoint, old: StrategyRow, new: StrategyRow, stale: list[int]
-) -> None:
-    """Bind a step re-saved under ``new`` to it and move its shards written under ``old`` (ids
-    ``stale``) to the step's history row as ``superseded`` (caller holds ``ckpt``'s lock; the
-    history row is locked after it — the one lock order: the step, then its history)."""
-    reason = f"saved under strategy {old.content_hash}; step re-saved under {new.content_hash}"
-    if stale:
-        history = _history_row(session, ckpt, old, reason)
-        # deleted rows move too (their file is gone either way) but keep saying so
-        session.execute(update(Shard).where(Shard.id.in_(stale), Shard.state != ShardState.DELETED.value).values(
-            checkpoint_id=history.id, state=ShardState.SUPERSEDED.value, error_code="superseded", error=reason,
-            verify_seq=Shard.verify_seq + 1))  # a verification of it in flight can no longer store
-        session.execute(update(Shard).where(Shard.id.in_(stale)).values(checkpoint_id=history.id))
-        session.add_all([VerificationEvent(checkpoint_id=history.id, shard_id=sid, kind="layout", outcome="superseded",
-                                           detail=reason) for sid in stale])
-    ckpt.strategy_id, ckpt.expected_ranks = new.id, new.world_size
-    ckpt.step_checks_ok = ckpt.reason = ckpt.global_step = None  # checked again, under the new layout
-    add_event(session, ckpt.id, None, "layout", "rebound",
-              f"step re-saved under strategy {new.content_hash} (world {new.world_size}), was {old.content_hash} "
-              f"(world {old.world_size}); {len(stale)} shard(s) of the old layout superseded")
-
-
-def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: str) -> Checkpoint:
-    now = datetime.now(timezone.utc)
-    key = {"run_id": ckpt.run_id, "prefix": ckpt.prefix, "epoch": ckpt.epoch, "step": ckpt.step,
-           "kind": SUPERSEDED_KIND, "layout": old.content_hash}
-    _insert_ignore(session, Checkpoint, key | {
-        "state": StepState.SUPERSEDED.value, "expected_ranks": old.world_size, "strategy_id": old.id,
-        "global_step": ckpt.global_step, "reason": reason, "pinned": False, "marked_bad": False,
-        "created_at": now, "updated_at": now,
-    }, list(key))
-    q = select(Checkpoint).where(*(getattr(Checkpoint, k) == v for k, v in key.items()))
-    return session.execute(for_update(q, session)).scalar_one()
-
-
-def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
-    """The superseded-history rows of a step (locked; caller holds the step's lock)."""
-    q = select(Checkpoint).where(
-        Checkpoint.run_id == ckpt.run_id, Checkpoint.prefix == ckpt.prefix, Checkpoint.epoch == ckpt.epoch,
-        Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
-    ).order_by(Checkpoint.id)
-    return list(session.execute(for_update(q, session)).scalars())
-
-
-def drop_empty_history(session: Session, ckpt: Checkpoint, history_ids: set[int]) -> None:
-    """History rows of ``ckpt`` left without shards (each was rewritten and is the step's again)
-    go; their events move to the step, so the story of each shard stays in one place."""
-    for row in history_rows(session, ckpt):
-        if row.id not in history_ids:
-            continue
-        if session.execute(select(Shard.id).where(Shard.checkpoint_id == row.id).limit(1)).first() is not None:
-            continue
-        session.execute(update(VerificationEvent).where(VerificationEvent.checkpoint_id == row.id)
-                        .values(checkpoint_id=ckpt.id))
-        session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
 
 
 def latest_restorable(session: Session, run_id: int, *, max_step: int | None = None) -> Checkpoint | None:

@@ -22,14 +22,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from ckptd import runlayout
-from ckptd.catalog import repo
+from ckptd.catalog import layout_history, repo
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
 from ckptd.settings import Settings
-from ckptd.states import RESAVABLE_KINDS, ShardState, StepState, layout_resave
+from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
 
 log = logging.getLogger("ckptd.ingest")
 _BATCH = 512  # shard paths a rescan examines per batch
@@ -226,17 +226,23 @@ class Ingestor:
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)
+            # then its history rows, before any shard row: a superseded shard rewritten moves back
+            # from one (lock order everywhere: a step, its history, then shards)
+            layout_history.history_rows(s, ckpt)
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size
             elif ckpt.expected_ranks is None and expected is not None:
                 ckpt.expected_ranks = expected
-            registered = repo.register_shards(s, ckpt, [f for _, f, _ in files])
+            layout_now = (strategy.world_size, layout_history.appeared_ns(strategy.mtime_ns, strategy.seen_at)) if strategy else None
+            registered = repo.register_shards(s, ckpt, [f for _, f, _ in files], layout_now)
+            superseded: frozenset = frozenset()
             if strategy is not None and ckpt.strategy_id not in (None, strategy.id):
-                self._follow_layout_change(s, ckpt)  # no-op unless the step was re-saved under a newer layout
+                resave = self._follow_layout_change(s, ckpt)  # None unless the step was re-saved under a newer layout
+                superseded = resave.superseded if resave is not None else superseded
             back = {reg.moved_from for reg in registered if reg.moved_from is not None}
             if back:  # superseded shards rewritten: they are the step's again
-                repo.drop_empty_history(s, ckpt, back)
+                layout_history.drop_empty_history(s, ckpt, back)
             to_verify: list[int] = []
             for reg, (_, f, parse_error) in zip(registered, files, strict=True):
                 if reg.changed and parse_error is not None:
@@ -244,7 +250,7 @@ class Ingestor:
                         s, reg.shard_id, f.stat, state=ShardState.CORRUPT, ckpt_id=ckpt.id,
                         values={"error_code": parse_error.code, "error": str(parse_error)}, detail=str(parse_error), seconds=0.0,
                     )
-                elif reg.state == ShardState.COMPLETE.value:
+                elif reg.state == ShardState.COMPLETE.value and reg.shard_id not in superseded:
                     to_verify.append(reg.shard_id)  # also re-queues shards a crashed daemon left unverified
             if any(reg.changed for reg in registered):
                 ckpt.step_checks_ok, ckpt.reason = None, None
@@ -257,27 +263,28 @@ class Ingestor:
         return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
 
     @staticmethod
-    def _follow_layout_change(s: Session, ckpt: Checkpoint) -> bool:
+    def _follow_layout_change(s: Session, ckpt: Checkpoint) -> Resave | None:
         """Re-bind ``ckpt`` (locked) if it was re-saved under the layout its strategy file holds
-        now, superseding its shards of the old layout (``states.layout_resave``). True if it did."""
+        now, superseding its shards of the old layout (``states.layout_resave``). The re-save if
+        it did, else None."""
         if ckpt.kind not in RESAVABLE_KINDS or ckpt.strategy_id is None or ckpt.state == StepState.DELETING.value:
-            return False
-        rows = repo.strategy_rows(s, ckpt.run_id)
+            return None
+        rows = layout_history.strategy_rows(s, ckpt.run_id)
         bound = next((r for at_path in rows.values() for r in at_path if r.id == ckpt.strategy_id), None)
         if bound is None:
-            return False
+            return None
         now = rows[bound.path][0]  # what the file the step was saved with holds now
         if not now.valid:
-            return False  # a file that does not parse says nothing about the layout
+            return None  # a file that does not parse says nothing about the layout
         shards = {sid: (rank, mtime) for sid, rank, mtime in s.execute(
             select(Shard.id, Shard.rank, Shard.mtime_ns).where(Shard.checkpoint_id == ckpt.id)).all()}
         resave = layout_resave(bound.content_hash, now.content_hash, now.world_size, now.appeared_ns, shards)
         if resave is None:
-            return False
-        repo.rebind_resaved_step(s, ckpt, bound, now, sorted(resave.superseded))
+            return None
+        layout_history.rebind_resaved_step(s, ckpt, bound, now, sorted(resave.superseded))
         log.info("run %d step %d was re-saved under strategy %s: re-bound, %d shard(s) of %s superseded",
                  ckpt.run_id, ckpt.step, now.content_hash[:19], len(resave.superseded), bound.content_hash[:19])
-        return True
+        return resave
 
     def _follow_layout_changes(self, run_id: int) -> None:
         """After a strategy file was seen: steps bound to an older content of a strategy file with
@@ -286,7 +293,7 @@ class Ingestor:
         a crash between the two); a run whose strategy files never changed costs one query."""
         candidates: set[int] = set()
         with self.sessions() as s:
-            for at_path in repo.strategy_rows(s, run_id).values():
+            for at_path in layout_history.strategy_rows(s, run_id).values():
                 now, older = at_path[0], [r.id for r in at_path[1:] if r.content_hash != at_path[0].content_hash]
                 if not now.valid or not older:
                     continue
@@ -299,7 +306,7 @@ class Ingestor:
         for ckpt_id in sorted(candidates):  # one transaction per step: it locks that one row (and its history)
             with self.sessions.begin() as s:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)
-                if not self._follow_layout_change(s, ckpt):
+                if self._follow_layout_change(s, ckpt) is None:
                     continue
                 state = repo.recompute_step_state(s, ckpt)
             if state == StepState.PENDING:

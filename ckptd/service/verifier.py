@@ -221,11 +221,17 @@ class Verifier:
         """Verify shards and store the verdicts: the files are read outside any transaction, the
         results of each checkpoint's shards are claimed and recorded in one transaction each."""
         with self.sessions() as s:
-            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest).where(Shard.id.in_(shard_ids))).all()
-        by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
-        for shard_id, path, ckpt_id, digest in rows:
-            by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
+            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
+                             .where(Shard.id.in_(shard_ids))).all()
         result: dict[int, ShardState | None] = {shard_id: ShardState.DELETED for shard_id in shard_ids}
+        by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
+        for shard_id, path, ckpt_id, digest, state in rows:
+            if state == ShardState.SUPERSEDED.value:
+                # not part of any step (its verdict would never be stored), and its row now sits
+                # under a history row, which may only be locked after its step
+                result[shard_id] = ShardState.SUPERSEDED
+                continue
+            by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
         for ckpt_id in sorted(by_ckpt):
             result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id]))
             self._maybe_check_step(ckpt_id)
@@ -365,6 +371,7 @@ class Verifier:
             refs = [ShardRef(r, p) for r, p, *_ in rows]
             strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
+            binding = (ckpt.strategy_id, ckpt.expected_ranks)
         t0 = time.perf_counter()
         problems = check_step(refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed,
                               index_cache=self.index_cache)
@@ -372,8 +379,10 @@ class Verifier:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
                 Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
-            if sorted(map(tuple, now_rows)) != sorted(map(tuple, rows)):
-                return problems  # shards changed while we checked: the verdict would be stale, recheck later
+            if sorted(map(tuple, now_rows)) != sorted(map(tuple, rows)) or (ckpt.strategy_id, ckpt.expected_ranks) != binding:
+                # shards changed, or the step was re-bound to a new layout, while we checked: the
+                # verdict would be stale; whoever changed it asked for a new check
+                return problems
             steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt_id)).scalars()}
             ckpt.step_checks_ok = not problems
             ckpt.reason = "; ".join(problems) if problems else None
