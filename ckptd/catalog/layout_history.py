@@ -14,7 +14,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile, VerificationEvent
-from ckptd.catalog.repo import _insert_ignore, add_event, for_update
+from ckptd.catalog.repo import _insert_ignore, add_event, for_update, history_rows
 from ckptd.states import SUPERSEDED_KIND, ShardState, StepState
 
 
@@ -87,15 +87,6 @@ def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: s
     }, list(key))
     q = select(Checkpoint).where(*(getattr(Checkpoint, k) == v for k, v in key.items()))
     return session.execute(for_update(q, session)).scalar_one()
-
-
-def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
-    """The superseded-history rows of a step (locked; caller holds the step's lock)."""
-    q = select(Checkpoint).where(
-        Checkpoint.run_id == ckpt.run_id, Checkpoint.prefix == ckpt.prefix, Checkpoint.epoch == ckpt.epoch,
-        Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
-    ).order_by(Checkpoint.id)
-    return list(session.execute(for_update(q, session)).scalars())
 
 
 def drop_empty_history(session: Session, ckpt: Checkpoint, history_ids: set[int]) -> None:

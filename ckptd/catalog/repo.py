@@ -154,6 +154,8 @@ def register_shards(
     # from one cached compilation; a conflicting row (already catalogued) returns nothing
     inserted = {path: sid for sid, path in session.connection().execute(stmt, rows)}
     known = [f for f in files if f.path not in inserted]
+    if known:  # lock order: the step (held), its history rows, then shard rows — a known path may be history's
+        history_rows(session, ckpt)
     existing: dict[str, Shard] = {}
     for i in range(0, len(known), _ROWS_PER_SELECT):
         paths = [f.path for f in known[i : i + _ROWS_PER_SELECT]]
@@ -193,6 +195,16 @@ def register_shards(
         else:
             out.append(Registered(shard.id, shard.state, False))
     return out
+
+
+def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
+    """The superseded-history rows of a step (locked; caller holds the step's lock; see
+    ckptd.catalog.layout_history)."""
+    q = select(Checkpoint).where(
+        Checkpoint.run_id == ckpt.run_id, Checkpoint.prefix == ckpt.prefix, Checkpoint.epoch == ckpt.epoch,
+        Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
+    ).order_by(Checkpoint.id)
+    return list(session.execute(for_update(q, session)).scalars())
 
 
 def claim_verifications(session: Session, shard_ids: list[int]) -> dict[int, int]:

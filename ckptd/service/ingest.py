@@ -225,10 +225,7 @@ class Ingestor:
             strategy = self._current_strategy(s, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
-            ckpt = repo.lock_checkpoint(s, ckpt.id)
-            # then its history rows, before any shard row: a superseded shard rewritten moves back
-            # from one (lock order everywhere: a step, its history, then shards)
-            layout_history.history_rows(s, ckpt)
+            ckpt = repo.lock_checkpoint(s, ckpt.id)  # register_shards then locks its history before shards
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size

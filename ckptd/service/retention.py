@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd.catalog import layout_history, repo
+from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import resolves_inside, sidecar_for
@@ -105,7 +105,7 @@ def gc(
             for c in steps:
                 c.state = StepState.DELETING.value
             for c in steps:  # each step's history after all steps: the lock order is step, then its history
-                for h in layout_history.history_rows(s, c):
+                for h in repo.history_rows(s, c):
                     h.state = StepState.DELETING.value
     if not dry_run:
         if os.environ.get("CKPTD_FAULT_GC_CRASH_AFTER_MARK") == "1":  # test hook: die between phases 1 and 2
