@@ -148,20 +148,15 @@ class Watcher:
         self.ready = threading.Event()  # set after the first full rescan
 
     def poke(self, path: str, delay: float | None = None) -> None:
+        self.poke_many([path], delay)
+
+    def poke_many(self, paths: list[str], delay: float | None = None) -> None:
+        """Examine ``paths`` after ``delay`` (default: the debounce); one event read's worth (a
+        step's burst of renames) takes the lock once."""
         due = time.monotonic() + (self.debounce if delay is None else delay)
         with self._cond:
-            # debounce: a burst of events for one path collapses into one examination
-            if path in self._pending and self._pending[path] <= due:
-                return
-            self._pending[path] = due
-            heapq.heappush(self._due, (due, path))
-            self._cond.notify()
-
-    def poke_many(self, paths: list[str]) -> None:
-        """One event read's worth of paths (a step's burst of renames) under one lock."""
-        due = time.monotonic() + self.debounce
-        with self._cond:
             for path in paths:
+                # debounce: a burst of events for one path collapses into one examination
                 if path in self._pending and self._pending[path] <= due:
                     continue
                 self._pending[path] = due

@@ -94,15 +94,16 @@ class TensorTask:
 
     @property
     def nbytes(self) -> int:
-        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
-            return 0
-        return self.dst_slice.numel * itemsize(self.dtype)
+        return self.dst_slice.numel * self._itemsize
 
     @property
     def bytes_read(self) -> int:
-        if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES:
-            return 0
-        return sum(p.src_region.numel for p in self.pieces) * itemsize(self.dtype)
+        return sum(p.src_region.numel for p in self.pieces) * self._itemsize
+
+    @property
+    def _itemsize(self) -> int:
+        """Bytes per element; 0 for strings and unknown types (they are not sized by shape)."""
+        return 0 if self.dtype == STR_TYPE or self.dtype not in MS_DTYPES else itemsize(self.dtype)
 
 
 @dataclass(frozen=True)

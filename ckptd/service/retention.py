@@ -101,7 +101,7 @@ def gc(
                 continue
             # phase 1: mark, in the same transaction that planned (rows locked on PostgreSQL)
             planned = select(Checkpoint).where(Checkpoint.id.in_(ids)).order_by(Checkpoint.id)
-            steps = s.execute(_locked(planned, s)).scalars().all()
+            steps = s.execute(repo.for_update(planned, s)).scalars().all()
             for c in steps:
                 c.state = StepState.DELETING.value
             for c in steps:  # each step's history after all steps: the lock order is step, then its history
@@ -112,10 +112,6 @@ def gc(
             os.kill(os.getpid(), signal.SIGKILL)
         finish_pending(sessions, root, report)
     return report
-
-
-def _locked(stmt, s: Session):  # noqa: ANN001, ANN202
-    return repo.for_update(stmt, s)
 
 
 def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
