@@ -11,225 +11,37 @@ We sniff the encoding from the content (a JSON file starts with ``{``, which is 
 byte of a ``ParallelStrategyMap``), but *write* by MindSpore's rule (extension), since MindSpore
 picks its parser by extension only.
 
-Pipeline stages. A stage saves its own file whose operator items carry the stage; MindSpore's
-``merge_pipeline_strategys`` joins them and prefixes every parameter with ``"<stage>-"``. So the
-stage of a parameter is the prefix in merged files and, in a single-stage file, the stage of the
-first operator item (0 when there is none) -- exactly what ``merge_pipeline_strategys`` and
-``_extract_src_dst_layout_map_by_src`` use. A parameter shared between stages (e.g. a tied
-embedding) appears once per stage: :attr:`Strategy.entries` keeps them all, :attr:`Strategy.params`
-maps a name to its lowest-stage entry (as ``_convert_to_list`` does).
-
-Devices. ``stage_device_num`` is ``prod(dev_matrix)``, which MindSpore makes equal for every
-parameter (repeated calculation becomes a device-matrix axis); all layouts must agree, otherwise
-global ranks (``stage * stage_device_num + local_rank``) would be ambiguous -> StrategyError.
-``current_stage`` is the raw protobuf field, a save counter (merged files: 1), not a pipeline stage.
+The parsed form (:class:`Strategy` and friends, pipeline stages, devices per stage) lives in
+:mod:`ckptd.format.strategy_types`; it is re-exported here, the public front door, so callers
+import everything strategy-related from this module. Module order (no cycles):
+``strategy_types`` <- ``strategy_json`` <- ``strategy`` <- ``strategy_merge`` (per-rank files).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import numbers
 import os
-import re
-import types
-from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Mapping
 
-from ckptd.errors import CkptdError, LayoutError, StrategyError
+from ckptd.errors import CkptdError, StrategyError
 from ckptd.format import protowire as pw
 from ckptd.format.atomic import atomic_write
-from ckptd.format.layout import Slice, TensorLayout, replica_groups, slice_for_rank
+from ckptd.format.strategy_json import parse_json, to_json
+from ckptd.format.strategy_types import (
+    MAX_STRATEGY_BYTES,
+    OpItem,
+    ParamStrategy,
+    Strategy,
+    StrategyFormat,
+    assemble_strategy,
+    checked_layout,
+)
 
-StrategyFormat = Literal["proto", "json"]
-MAX_STRATEGY_BYTES = 1 << 30  # far above any real strategy file; refuse to slurp anything bigger
-_STAGE_PREFIX = re.compile(r"(0|[1-9][0-9]*)-([^-]+)")
+__all__ = [
+    "MAX_STRATEGY_BYTES", "OpItem", "ParamStrategy", "Strategy", "StrategyFormat",
+    "encode_strategy", "load_strategy", "parse_strategy_bytes", "save_strategy",
+]
+
 _UINT32 = (1 << 32) - 1
-
-
-@dataclass(frozen=True)
-class ParamStrategy:
-    """Layout of one parameter in one pipeline stage. ``tensor_shape`` only comes from JSON files."""
-
-    name: str
-    layout: TensorLayout
-    stage: int = 0
-    tensor_shape: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class OpItem:
-    """An operator's sharding strategy (``ParallelStrategyItem``): kept only to round-trip files."""
-
-    node_name: str
-    stage: int
-    strategies: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A parsed strategy file. Construct with :meth:`build` (it derives ``stage_device_num``)."""
-
-    entries: tuple[ParamStrategy, ...]
-    stage_device_num: int
-    current_stage: int = 1
-    format: StrategyFormat = "proto"
-    source_path: str | None = None
-    op_items: tuple[OpItem, ...] = ()
-    merged: bool = False  # parameter names carry "<stage>-" prefixes on disk
-    params: Mapping[str, ParamStrategy] = field(init=False, repr=False, compare=False)
-    stages: int = field(init=False, compare=False)
-
-    def __post_init__(self) -> None:
-        seen: set[tuple[int, str]] = set()
-        params: dict[str, ParamStrategy] = {}
-        for e in self.entries:
-            if (e.stage, e.name) in seen:
-                raise self._error(f"parameter {e.name!r} appears twice in stage {e.stage}")
-            seen.add((e.stage, e.name))
-            if e.layout.device_num != self.stage_device_num:
-                raise self._error(
-                    f"parameter {e.name!r} has dev_matrix {list(e.layout.dev_matrix)} "
-                    f"({e.layout.device_num} devices) but other layouts cover {self.stage_device_num}",
-                    hint="every layout of a strategy file must span the same number of devices per stage",
-                )
-            if e.name not in params or e.stage < params[e.name].stage:
-                params[e.name] = e
-        stage_set = {e.stage for e in self.entries}
-        if self.merged:
-            missing = sorted(set(range(max(stage_set, default=0) + 1)) - stage_set)
-            if missing:
-                raise self._error(
-                    f"merged strategy lacks pipeline stage(s) {missing}",
-                    hint="merge_pipeline_strategys needs the files of all stages in its source directory",
-                )
-        else:
-            stage = self.op_items[0].stage if self.op_items else 0
-            if stage_set - {stage}:
-                raise self._error(
-                    f"an unmerged strategy holds one stage (its first operator item says {stage}), "
-                    f"got stages {sorted(stage_set)}",
-                    hint="set merged=True to store several stages with '<stage>-' name prefixes",
-                )
-        object.__setattr__(self, "params", types.MappingProxyType(params))
-        object.__setattr__(self, "stages", max(stage_set, default=0) + 1)
-
-    @classmethod
-    def build(
-        cls,
-        entries: list[ParamStrategy] | tuple[ParamStrategy, ...],
-        *,
-        op_items: tuple[OpItem, ...] | list[OpItem] = (),
-        current_stage: int = 1,
-        format: StrategyFormat = "proto",
-        source_path: str | os.PathLike[str] | None = None,
-        merged: bool = False,
-    ) -> "Strategy":
-        path = os.fspath(source_path) if source_path is not None else None
-        counts = {e.layout.device_num for e in entries}
-        if len(counts) > 1:
-            raise StrategyError(
-                f"layouts disagree on the devices per stage: {sorted(counts)}",
-                path=path,
-                hint="every dev_matrix of a strategy file must have the same product (devices per stage)",
-            )
-        return cls(tuple(entries), counts.pop() if counts else 1, current_stage, format, path, tuple(op_items), merged)
-
-    def _error(self, message: str, hint: str | None = None) -> StrategyError:
-        return StrategyError(message, path=self.source_path, hint=hint)
-
-    # --- ranks -----------------------------------------------------------------------------
-
-    @property
-    def world_size(self) -> int:
-        """Ranks of the whole job (for an unmerged stage-s file: a lower bound, ``(s+1)*devices``)."""
-        return self.stages * self.stage_device_num
-
-    def global_rank(self, stage: int, local_rank: int) -> int:
-        if not 0 <= stage < self.stages or not 0 <= local_rank < self.stage_device_num:
-            raise self._error(f"(stage {stage}, local rank {local_rank}) outside {self.stages} x {self.stage_device_num}")
-        return stage * self.stage_device_num + local_rank
-
-    def stage_and_local(self, global_rank: int) -> tuple[int, int]:
-        if not isinstance(global_rank, numbers.Integral) or not 0 <= global_rank < self.world_size:
-            raise self._error(f"global rank {global_rank!r} outside 0..{self.world_size - 1}")
-        return divmod(int(global_rank), self.stage_device_num)
-
-    def param(self, name: str, stage: int | None = None) -> ParamStrategy:
-        for e in self.entries if stage is not None else ():
-            if e.name == name and e.stage == stage:
-                return e
-        if stage is None and name in self.params:
-            return self.params[name]
-        where = f" in stage {stage}" if stage is not None else ""
-        raise self._error(f"no parameter {name!r}{where} in the strategy", hint="check the parameter name")
-
-    # --- slices ----------------------------------------------------------------------------
-
-    def _slice(self, e: ParamStrategy, shape: tuple[int, ...], local: int) -> Slice:
-        try:
-            return slice_for_rank(e.layout, shape, local)
-        except LayoutError as err:
-            raise LayoutError(f"parameter {e.name!r}: {err.message}", path=self.source_path, hint=err.hint) from None
-
-    def slices_for_rank(
-        self,
-        global_rank: int,
-        full_shapes: Mapping[str, tuple[int, ...]],
-        *,
-        missing: Literal["error", "skip"] = "error",
-    ) -> dict[str, Slice]:
-        """Every parameter ``global_rank`` stores (those of its pipeline stage), in file order."""
-        stage, local = self.stage_and_local(global_rank)
-        out: dict[str, Slice] = {}
-        for e in self.entries:
-            if e.stage != stage:
-                continue
-            if e.name not in full_shapes:
-                if missing == "skip":
-                    continue
-                raise LayoutError(f"no full shape given for parameter {e.name!r}", path=self.source_path)
-            out[e.name] = self._slice(e, tuple(full_shapes[e.name]), local)
-        return out
-
-    def replicas(self, name: str, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Global ranks grouped by identical slice of ``name`` (across all stages holding it).
-
-        Memoized per instance (the strategy is immutable): the daemon asks this for every
-        sampled parameter of every step, and the slice math over hundreds of ranks is not free."""
-        key = (name, tuple(full_shape))
-        memo = self.__dict__.setdefault("_replicas_memo", {})  # frozen: no attribute assignment
-        if key not in memo:
-            memo[key] = tuple(self._replicas(name, key[1]))
-        return list(memo[key])
-
-    def _replicas(self, name: str, full_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-        groups: dict[Slice, list[int]] = {}
-        holders = [e for e in self.entries if e.name == name]
-        if not holders:
-            raise self._error(f"no parameter {name!r} in the strategy", hint="check the parameter name")
-        for e in holders:
-            try:
-                local_groups = replica_groups(e.layout, tuple(full_shape))
-            except LayoutError as err:
-                raise LayoutError(f"parameter {name!r}: {err.message}", path=self.source_path, hint=err.hint) from None
-            for group in local_groups:
-                key = self._slice(e, tuple(full_shape), group[0])
-                groups.setdefault(key, []).extend(self.global_rank(e.stage, r) for r in group)
-        return sorted((tuple(sorted(g)) for g in groups.values()), key=lambda g: g[0])
-
-    def content_hash(self) -> str:
-        """sha256 of what decides data placement: devices per stage and each (stage, name, layout).
-
-        Independent of encoding, file order, operator items, the save counter and JSON's
-        informational ``tensor_shape``, so the proto and JSON forms of one strategy hash equal.
-        """
-        body = {
-            "stage_device_num": self.stage_device_num,
-            "params": [[e.stage, e.name, e.layout.canonical()] for e in sorted(self.entries, key=lambda e: (e.stage, e.name))],
-        }
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 # --- parsing ---------------------------------------------------------------------------------
@@ -254,44 +66,8 @@ def parse_strategy_bytes(data: bytes, path: str | os.PathLike[str] | None = None
         raise StrategyError("the strategy file is empty", path=where)
     text_start = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     if text_start.lstrip()[:1] in (b"{", b"["):  # wire types 3 (group): never a valid first protobuf key
-        from ckptd.format.strategy_json import parse_json
-
         return parse_json(text_start, where)
     return _parse_proto(data, where)
-
-
-def _split_name(raw: str, merged: bool, where: str, stage: int) -> tuple[int, str]:
-    if not raw:
-        raise StrategyError("empty parameter name", path=where)
-    if not merged:
-        return stage, raw
-    m = _STAGE_PREFIX.fullmatch(raw)
-    if m is None:
-        raise StrategyError(
-            f"parameter name {raw!r} is not of the form '<stage>-<name>'",
-            path=where,
-            hint="MindSpore reserves '-' for the pipeline-stage prefix of merged strategy files; "
-            "parameter names must not contain '-' otherwise",
-        )
-    return int(m.group(1)), m.group(2)
-
-
-def _assemble(raw_params, ops, current_stage, fmt, where) -> Strategy:
-    """raw_params: [(raw_name, layout, tensor_shape, offset)] -> Strategy (stages resolved)."""
-    merged = any("-" in name for name, *_ in raw_params)
-    stage = ops[0].stage if ops else 0
-    entries = []
-    for name, layout, shape, _ in raw_params:
-        st, base = _split_name(name, merged, where, stage)
-        entries.append(ParamStrategy(base, layout, st, shape))
-    return Strategy.build(entries, op_items=ops, current_stage=current_stage, format=fmt, source_path=where, merged=merged)
-
-
-def _layout(where: str, name: str, offset: int | None, **kw) -> TensorLayout:
-    try:
-        return TensorLayout(**kw)
-    except LayoutError as err:
-        raise StrategyError(f"parameter {name!r}: {err.message}", path=where, offset=offset, hint=err.hint) from None
 
 
 # protobuf -------------------------------------------------------------------------------------
@@ -399,7 +175,7 @@ class _Proto:
         # MindSpore (_convert_to_list): several TensorMap entries = one per tensor dim ("layout"
         # API, nested); empty ones are padding. A single entry is the flat map.
         tensor_map = [m for m in maps if m] if len(maps) > 1 else list(maps[0])
-        layout = _layout(self.where, name, item.offset, dev_matrix=dev[0], tensor_map=tensor_map,
+        layout = checked_layout(self.where, name, item.offset, dev_matrix=dev[0], tensor_map=tensor_map,
                          param_split_shape=pss[0] if pss else (), indices_offset=ios[0] if ios else (), **scal)
         return name, layout, None, item.offset
 
@@ -423,14 +199,10 @@ def _parse_proto(data: bytes, where: str) -> Strategy:
     if current_stage is None and not ops and not raw:
         raise StrategyError("no ParallelStrategyMap fields found", path=where,
                             hint="this is not a MindSpore strategy file (protobuf or JSON)")
-    return _assemble(raw, ops, current_stage or 0, "proto", where)
+    return assemble_strategy(raw, ops, current_stage or 0, "proto", where)
 
 
 # --- writing ---------------------------------------------------------------------------------
-
-
-def _disk_name(strategy: Strategy, e: ParamStrategy) -> str:
-    return f"{e.stage}-{e.name}" if strategy.merged else e.name
 
 
 def _ints_msg(number: int, values) -> bytes:
@@ -453,7 +225,7 @@ def _to_proto(s: Strategy) -> bytes:
             _ints_msg(1, lay.dev_matrix), *maps, _ints_msg(3, lay.param_split_shape), _ints_msg(4, lay.indices_offset),
             pw.varint_field(5, lay.field), pw.varint_field(6, lay.opt_shard_step), pw.varint_field(7, lay.opt_shard_size),
         ])
-        out.append(pw.len_field(3, pw.len_field(1, _disk_name(s, e).encode()) + pw.len_field(2, body)))
+        out.append(pw.len_field(3, pw.len_field(1, s.disk_name(e).encode()) + pw.len_field(2, body)))
     return b"".join(out)
 
 
@@ -483,11 +255,21 @@ def save_strategy(
             f"format {fmt!r} does not match the file name",
             path=path, hint="MindSpore parses '*.json' as JSON and every other name as protobuf; rename the file",
         )
-    if fmt == "json":
-        from ckptd.format.strategy_json import to_json
-
-        data = to_json(strategy, full_shapes)
-    else:
-        data = _to_proto(strategy)
+    data = encode_strategy(strategy, fmt, full_shapes=full_shapes)
     with atomic_write(path, overwrite=overwrite) as fh:
         fh.write(data)
+
+
+def encode_strategy(
+    strategy: Strategy,
+    format: StrategyFormat = "proto",
+    *,
+    full_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> bytes:
+    """The bytes :func:`save_strategy` writes, for callers that keep a strategy without a file
+    (e.g. the catalog storing the merge of per-rank files); :func:`parse_strategy_bytes` reads them back."""
+    if format == "json":
+        return to_json(strategy, full_shapes)
+    if format == "proto":
+        return _to_proto(strategy)
+    raise StrategyError(f"unknown strategy format {format!r}", path=strategy.source_path, hint="use 'proto' or 'json'")

@@ -12,7 +12,8 @@ from typing import Mapping
 
 from ckptd.errors import LayoutError, StrategyError
 from ckptd.format.layout import local_shape
-from ckptd.format.strategy import OpItem, Strategy, _assemble, _disk_name, _layout
+from ckptd.format.strategy_types import OpItem, Strategy, assemble_strategy, checked_layout
+
 
 def _json_ints(value: object, what: str, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -62,7 +63,7 @@ def parse_json(data: bytes, where: str) -> Strategy:
         if not isinstance(tmap, list):
             raise StrategyError(f"{what}: tensor_map must be a list", path=where)
         shape = _json_ints(item["tensor_shape"], f"{what} tensor_shape", where) if "tensor_shape" in item else None
-        layout = _layout(
+        layout = checked_layout(
             where, name, None,
             dev_matrix=_json_ints(item["dev_matrix"], f"{what} dev_matrix", where),
             tensor_map=[tuple(_json_ints(m, f"{what} tensor_map", where)) if isinstance(m, list) else m for m in tmap],
@@ -79,7 +80,7 @@ def parse_json(data: bytes, where: str) -> Strategy:
                 raise StrategyError(f"{what}: tensor_shape does not fit its layout: {err.message}", path=where) from None
         raw.append((name, layout, shape, None))
     current = _json_int(doc, "current_stage", "strategy", where, default=0)
-    return _assemble(raw, ops, current, "json", where)
+    return assemble_strategy(raw, ops, current, "json", where)
 
 
 def to_json(s: Strategy, full_shapes: Mapping[str, tuple[int, ...]] | None) -> bytes:
@@ -99,7 +100,7 @@ def to_json(s: Strategy, full_shapes: Mapping[str, tuple[int, ...]] | None) -> b
         item.update(field=lay.field, opt_weight_shard_step=lay.opt_shard_step, opt_weight_shard_size=lay.opt_shard_size)
         if lay.param_split_shape or lay.indices_offset:
             item.update(param_split_shape=list(lay.param_split_shape), indices_offset=list(lay.indices_offset))
-        layouts[_disk_name(s, e)] = item
+        layouts[s.disk_name(e)] = item
     doc = {
         "current_stage": s.current_stage,
         "parallel_strategy_item": {
