@@ -24,6 +24,10 @@ class StepInfo:
     bad_reason: str | None = None
     pinned: bool = False
     in_use: bool = False  # leased by a resume answer or a running conversion
+    health_reason: str | None = None  # the job's own health record calls the save abnormal
+    #: training order when ``step`` cannot tell: (epoch, step in the file name, incarnation) — a step
+    #: not verified yet has no global step, and two incarnations can save the same one (the newer wins)
+    position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class ResumePolicy:
     def decide(self, steps: Iterable[StepInfo], health: Iterable[Health] = ()) -> ResumeDecision:
         unhealthy = first_unhealthy(health, self.spike)
         skipped: list[tuple[int, str]] = []
-        for s in sorted(steps, key=lambda s: s.step, reverse=True):
+        for s in sorted(steps, key=lambda s: s.position or (s.step,), reverse=True):
             if self.max_step is not None and s.step > self.max_step:
                 continue  # asked for "at or before N": newer steps are not candidates, not failures
             reason = self._rejection(s, unhealthy)
@@ -120,6 +124,8 @@ class ResumePolicy:
             return "corrupt: " + (s.reason or "a shard failed verification")
         if s.state != "verified":
             return _STATE_REASONS.get(s.state, s.state)
+        if s.health_reason:
+            return f"unhealthy: {s.health_reason}"
         if unhealthy is not None and s.step >= unhealthy[0]:
             return f"unhealthy: {unhealthy[1]}"
         return None

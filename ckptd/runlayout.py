@@ -1,14 +1,33 @@
-"""Where things live in a checkpoint root — the only module that parses checkpoint paths.
+"""Where things live in a checkpoint root — the only module that knows checkpoint path rules.
 
-    <root>/<run>/rank_<r>/<prefix>-<epoch>_<step>[_breakpoint].(ckpt|safetensors)   a shard
-    <root>/<run>/rank_<r>/<shard file>.done                                          trainer's commit hint (JSON)
-    <root>/<run>/[strategy/]*strategy*.(ckpt|json)                                   parallel strategy file(s)
-    ... .tmp / .ckptd-tmp                                                             in-flight writes: never shards
+A run is one directory under the root, in one of two layouts, told apart by the path's shape::
 
-MindSpore's ``ModelCheckpoint`` names files ``{prefix}-{epoch}_{step}.ckpt`` where ``step`` counts
-within the epoch, and renames a clashing prefix to ``{prefix}_{n}``; breakpoint saves
-(``exception_save``) end in ``_breakpoint``. The pure functions here classify a path; they never
-touch the disk.
+    native (ckptd's trainer, plain MindSpore jobs)
+      <root>/<run>/rank_<r>/<name>                          a shard
+      <root>/<run>/[strategy/]*strategy*.(ckpt|json)        the parallel strategy file
+    mindformers (MindFormers 2.x legacy CheckpointMonitor; <run> = its output_dir)
+      <root>/<run>/checkpoint/rank_<r>/<name>               a shard
+      <root>/<run>/checkpoint/rank_<r>/meta.json            MindFormers' own resume hint (lags, can lie)
+      <root>/<run>/strategy/<base>_rank_<r>.ckpt            one strategy file per rank (a stage's, under pp)
+      <root>/<run>/strategy/merged_ckpt_strategy*.ckpt      merge_pipeline_strategys' output (sometimes)
+      <root>/<run>/health_ckpts.json                        health records (is_health 1 = abnormal)
+      <root>/<run>/checkpoint_network|checkpoint_trainable/ network-only copies: not training checkpoints
+
+    <name>  = <file prefix>-<epoch>_<step>[_breakpoint].(ckpt|safetensors)
+    <file prefix> = <P>[_rank_<r>][_<k>]
+    <shard>.done                                           ckptd trainer's commit hint (JSON)
+    ... .tmp / .ckptd-tmp / .part                          in-flight writes: never shards
+
+``<step>`` counts within the epoch (MindSpore's ``ModelCheckpoint``); the global step is in the
+file. MindFormers tags every rank's files ``{P}_rank_{r}`` and MindSpore appends ``_{k}`` to a
+prefix that already has files in the directory (the k-th restart into it); ``exception_save``
+writes ``..._breakpoint`` with the prefix *without* the restart suffix. So a step's identity
+across ranks is ``(P[_k], epoch, step)`` — the rank tag is dropped (:attr:`ShardName.prefix`), and
+``k`` is the incarnation. A rank tag that names another rank than the directory is kept in the
+prefix: the file is misplaced and must not pass for that rank's shard.
+
+The pure functions here classify and build paths; only :func:`rank_dirs` / :func:`detect_layout`
+list a directory.
 """
 
 from __future__ import annotations
@@ -18,10 +37,24 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+Layout = Literal["native", "mindformers"]
+NATIVE: Layout = "native"
+MINDFORMERS: Layout = "mindformers"
 SHARD_SUFFIXES = (".ckpt", ".safetensors")
 SIDECAR_SUFFIX = ".done"
-_RANK_DIR = re.compile(r"^rank_(\d+)$")
-_SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)(?P<bp>_breakpoint)?\.(?P<ext>ckpt|safetensors)$")
+MF_CHECKPOINT_DIR = "checkpoint"
+MF_AUX_DIRS = ("checkpoint_network", "checkpoint_trainable")  # weights-only copies, no training state
+MF_META = "meta.json"
+MF_HEALTH = "health_ckpts.json"
+STRATEGY_DIR = "strategy"
+#: MindFormers' per-rank strategy file name: basename of strategy_ckpt_save_file, ``.ckpt`` -> ``_rank_<r>.ckpt``
+MF_STRATEGY_TEMPLATE = "ckpt_strategy_rank_{rank}.ckpt"
+_RANK_DIR = re.compile(r"^rank_(0|[1-9][0-9]*)$")
+_SHARD_NAME = re.compile(
+    r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)(?P<bp>_breakpoint)?\.(?P<ext>ckpt|safetensors)$")
+# greedy prefix: the *last* ``_rank_<r>`` is the tag ("a_rank_b_rank_0" has base "a_rank_b")
+_RANK_TAG = re.compile(r"^(?P<base>.+)_rank_(?P<rank>0|[1-9][0-9]*)(?:_(?P<k>[1-9][0-9]*))?$")
+_RANK_STRATEGY = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
 _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
 
 
@@ -29,11 +62,15 @@ _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
 class ShardName:
     run: str
     rank: int
-    prefix: str
+    prefix: str  # the step's prefix across ranks: rank tag removed, restart suffix kept
     epoch: int
-    step: int
+    step: int  # within the epoch, from the file name
     breakpoint: bool
     format: Literal["ckpt", "safetensors"]
+    layout: Layout = NATIVE
+    #: which restart wrote it (the ``_k`` after a rank tag; 0 = the first); None = not knowable from
+    #: the name (no rank tag: a user prefix may end in ``_<digits>`` by itself)
+    incarnation: int | None = None
 
     @property
     def kind(self) -> str:
@@ -43,9 +80,26 @@ class ShardName:
 @dataclass(frozen=True, slots=True)
 class StrategyName:
     run: str
+    #: the rank whose (stage's) layout a per-rank file holds; None for a run-wide file
+    rank: int | None = None
 
 
-PathKind = ShardName | StrategyName | None
+@dataclass(frozen=True, slots=True)
+class MetaName:
+    """MindFormers' ``meta.json`` of one rank: a hint, never evidence."""
+
+    run: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class HealthName:
+    """MindFormers' ``health_ckpts.json`` of a run."""
+
+    run: str
+
+
+PathKind = ShardName | StrategyName | MetaName | HealthName | None
 
 
 def relative_parts(root: str, path: str) -> list[str] | None:
@@ -60,38 +114,63 @@ def is_in_flight(name: str) -> bool:
     return name.endswith(_IN_FLIGHT)
 
 
+def parse_shard_name(name: str, rank: int) -> tuple[str, int, int, bool, str, int | None] | None:
+    """``(prefix, epoch, step, breakpoint, format, incarnation)`` of a shard file name found in
+    ``rank``'s directory, or None when it is not a checkpoint name (see the module docstring)."""
+    m = _SHARD_NAME.match(name)
+    if m is None:
+        return None
+    prefix, incarnation = m.group("prefix"), None
+    tag = _RANK_TAG.match(prefix)
+    if tag is not None and int(tag.group("rank")) == rank:
+        k = int(tag.group("k") or 0)
+        prefix, incarnation = tag.group("base") + (f"_{k}" if k else ""), k
+    fmt = "ckpt" if m.group("ext") == "ckpt" else "safetensors"
+    return prefix, int(m.group("epoch")), int(m.group("step")), bool(m.group("bp")), fmt, incarnation
+
+
 def classify(root: str, path: str) -> PathKind:
     """What ``path`` is in the checkpoint layout (None = not ours to care about)."""
     parts = relative_parts(root, path)
     if not parts or is_in_flight(parts[-1]) or any(p.startswith(".") for p in parts):
         return None
-    name = parts[-1]
+    run, name = parts[0], parts[-1]
+    rank_dir: str | None = None
+    layout = NATIVE
     if len(parts) == 3:
-        rank_match = _RANK_DIR.match(parts[1])
-        shard = _SHARD_NAME.match(name)
-        if rank_match and shard:
-            return ShardName(
-                run=parts[0],
-                rank=int(rank_match.group(1)),
-                prefix=shard.group("prefix"),
-                epoch=int(shard.group("epoch")),
-                step=int(shard.group("step")),
-                breakpoint=bool(shard.group("bp")),
-                format="ckpt" if shard.group("ext") == "ckpt" else "safetensors",
-            )
-    if is_strategy_name(parts):
-        return StrategyName(run=parts[0])
+        rank_dir = parts[1]
+    elif len(parts) == 4 and parts[1] == MF_CHECKPOINT_DIR:
+        rank_dir, layout = parts[2], MINDFORMERS
+    if rank_dir is not None and (rank_match := _RANK_DIR.match(rank_dir)):
+        rank = int(rank_match.group(1))
+        if layout == MINDFORMERS and name == MF_META:
+            return MetaName(run, rank)
+        parsed = parse_shard_name(name, rank)
+        if parsed is not None:
+            prefix, epoch, step, bp, fmt, incarnation = parsed
+            return ShardName(run, rank, prefix, epoch, step, bp, fmt, layout, incarnation)  # type: ignore[arg-type]
+        return None
+    if len(parts) == 2 and name == MF_HEALTH:
+        return HealthName(run)
+    return strategy_name(parts)
+
+
+def strategy_name(parts: list[str]) -> StrategyName | None:
+    """``<run>/*strategy*.(ckpt|json)`` or ``<run>/strategy/*.(ckpt|json)``; per-rank files of a
+    ``strategy/`` directory (MindFormers) carry their rank."""
+    name = parts[-1]
+    if not name.endswith((".ckpt", ".json")):
+        return None
+    if len(parts) == 2:
+        return StrategyName(parts[0]) if "strategy" in name else None
+    if len(parts) == 3 and parts[1] == STRATEGY_DIR:
+        m = _RANK_STRATEGY.match(name)
+        return StrategyName(parts[0], int(m.group("rank")) if m else None)
     return None
 
 
 def is_strategy_name(parts: list[str]) -> bool:
-    """``<run>/*strategy*.(ckpt|json)`` or ``<run>/strategy/*.(ckpt|json)``."""
-    name = parts[-1]
-    if not name.endswith((".ckpt", ".json")):
-        return False
-    if len(parts) == 2:
-        return "strategy" in name
-    return len(parts) == 3 and parts[1] == "strategy"
+    return strategy_name(parts) is not None
 
 
 def resolves_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
@@ -109,15 +188,73 @@ def run_dir(root: str, run: str) -> str:
     return os.path.join(root, run)
 
 
-def rank_dirs(run_path: str) -> dict[int, str]:
-    """``rank_<r>`` directories of a run (real directories only, no symlinks)."""
+# --- building paths (the writers: ckptd's trainer, fixtures, conversions) ---------------------------
+
+
+def shard_dir(run_path: str, rank: int, layout: Layout = NATIVE) -> str:
+    if layout == MINDFORMERS:
+        return os.path.join(run_path, MF_CHECKPOINT_DIR, f"rank_{rank}")
+    return os.path.join(run_path, f"rank_{rank}")
+
+
+def file_prefix(prefix: str, rank: int, layout: Layout = NATIVE, incarnation: int = 0) -> str:
+    """The file-name prefix a rank writes: MindFormers tags it ``{P}_rank_{r}[_{k}]``."""
+    if layout == MINDFORMERS:
+        return f"{prefix}_rank_{rank}" + (f"_{incarnation}" if incarnation else "")
+    return prefix
+
+
+def shard_file_name(prefix: str, rank: int, epoch: int, step: int, layout: Layout = NATIVE, *,
+                    incarnation: int = 0, fmt: str = "ckpt") -> str:
+    return f"{file_prefix(prefix, rank, layout, incarnation)}-{epoch}_{step}.{fmt}"
+
+
+def shard_path(run_path: str, rank: int, prefix: str, epoch: int, step: int, layout: Layout = NATIVE, *,
+               incarnation: int = 0, fmt: str = "ckpt") -> str:
+    name = shard_file_name(prefix, rank, epoch, step, layout, incarnation=incarnation, fmt=fmt)
+    return os.path.join(shard_dir(run_path, rank, layout), name)
+
+
+def rank_strategy_path(run_path: str, rank: int) -> str:
+    """MindFormers' per-rank strategy file (``strategy/ckpt_strategy_rank_<r>.ckpt``)."""
+    return os.path.join(run_path, STRATEGY_DIR, MF_STRATEGY_TEMPLATE.format(rank=rank))
+
+
+def rank_strategies_dir(run_path: str) -> str:
+    """The directory of per-rank strategy files; ckptd catalogues their merge under this path."""
+    return os.path.join(run_path, STRATEGY_DIR)
+
+
+def meta_path(run_path: str, rank: int) -> str:
+    return os.path.join(shard_dir(run_path, rank, MINDFORMERS), MF_META)
+
+
+def health_path(run_path: str) -> str:
+    return os.path.join(run_path, MF_HEALTH)
+
+
+# --- listing ------------------------------------------------------------------------------------
+
+
+def detect_layout(run_path: str) -> Layout:
+    """A run is MindFormers-shaped when ``checkpoint/rank_<r>/`` exists (decided per run)."""
+    return MINDFORMERS if _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR)) else NATIVE
+
+
+def rank_dirs(run_path: str, layout: Layout | None = None) -> dict[int, str]:
+    """``rank_<r>`` shard directories of a run in its layout (real directories, no symlinks)."""
+    layout = layout or detect_layout(run_path)
+    return _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path)
+
+
+def _list_rank_dirs(base: str) -> dict[int, str]:
     found: dict[int, str] = {}
     try:
-        with os.scandir(run_path) as it:
+        with os.scandir(base) as it:
             for entry in it:
                 m = _RANK_DIR.match(entry.name)
                 if m and entry.is_dir(follow_symlinks=False):
                     found[int(m.group(1))] = entry.path
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass
     return found

@@ -21,7 +21,8 @@ Checkpoint step (all ranks of one save)::
     incomplete ─▶ pending ─▶ verified ─▶ (restorable)
                      └──▶ corrupt          deleted (any shard deleted after the fact)
 
-``incomplete`` = some expected rank has no shard yet; ``pending`` = every rank present, not all
+``incomplete`` = some expected rank has no shard yet (in a run that allows subset saves: the
+files present do not cover the layout); ``pending`` = every rank present, not all
 verified; ``verified`` = every shard verified and the step-level checks passed (ranks exactly
 once, one global step, shapes match the strategy, replicas agree); ``corrupt`` = a shard or a
 step-level check failed; ``deleted`` = a shard file disappeared (rotation or an operator);
@@ -78,27 +79,47 @@ SUPERSEDED_KIND = "superseded"
 RESAVABLE_KINDS = ("trained", "breakpoint")
 
 
-def step_state(expected_ranks: int | None, shard_states: dict[int, ShardState], step_checks_ok: bool | None) -> StepState:
+def allows_subset(run_layout: str | None) -> bool:
+    """Runs whose steps may be whole without every rank's own file: MindFormers jobs save with
+    ``remove_redundancy`` and MindIO's dying-gasp saves write only some replicas. Our trainer
+    (native layout) restores each rank from its own file, so there every rank must be present."""
+    return run_layout == "mindformers"
+
+
+def step_state(
+    expected_ranks: int | None, shard_states: dict[int, ShardState], step_checks_ok: bool | None, subset: bool = False
+) -> StepState:
     """Derive a step's state from its shards (pure; table-tested). Superseded shards are not
     part of the step and are ignored.
 
     ``step_checks_ok`` is None until the step-level checks ran (they run once all shards verified).
     """
     live = {rank: st for rank, st in shard_states.items() if st != ShardState.SUPERSEDED}
-    return step_state_from(expected_ranks, len(live), set(live.values()), step_checks_ok)
+    return step_state_from(expected_ranks, len(live), set(live.values()), step_checks_ok, subset)
 
 
 def step_state_from(
-    expected_ranks: int | None, ranks_present: int, states: set[ShardState], step_checks_ok: bool | None
+    expected_ranks: int | None, ranks_present: int, states: set[ShardState], step_checks_ok: bool | None,
+    subset: bool = False,
 ) -> StepState:
     """The same decision from aggregates (what the catalog computes in SQL for 512-rank steps);
-    the caller counts only the step's own shards (never superseded ones)."""
+    the caller counts only the step's own shards (never superseded ones).
+
+    ``subset``: the step may be whole without every rank's file (MindFormers' remove_redundancy
+    and dying-gasp saves, see :mod:`ckptd.service.stepcheck`): with ranks missing, its step checks
+    (a coverage check) run once the files present are verified; if they find slices nobody holds
+    the step is ``incomplete`` — not ``corrupt``, the missing files may still arrive."""
     states = states - {ShardState.SUPERSEDED}
     if ShardState.DELETED in states:
         return StepState.DELETED
+    short = expected_ranks is None or ranks_present < expected_ranks
+    if short and subset and expected_ranks is not None and ranks_present and ShardState.CORRUPT not in states:
+        if states != {ShardState.VERIFIED} or step_checks_ok is False:
+            return StepState.INCOMPLETE
+        return StepState.VERIFIED if step_checks_ok else StepState.PENDING
     if ShardState.CORRUPT in states or step_checks_ok is False:
         return StepState.CORRUPT
-    if expected_ranks is None or ranks_present < expected_ranks:
+    if short:
         return StepState.INCOMPLETE
     if states == {ShardState.VERIFIED} and step_checks_ok:
         return StepState.VERIFIED

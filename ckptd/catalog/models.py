@@ -41,6 +41,8 @@ class Run(Base):
     name: Mapped[str] = mapped_column(String(255), unique=True)
     path: Mapped[str] = mapped_column(Text)
     world_size: Mapped[int | None] = mapped_column(Integer)  # from the strategy file or configuration
+    # native | mindformers (ckptd.runlayout); NULL on rows from before migration 0005 (native)
+    layout: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     checkpoints: Mapped[list["Checkpoint"]] = relationship(back_populates="run")
 
@@ -84,6 +86,12 @@ class Checkpoint(Base):
     # converted copies: the target strategy hash; superseded history: the old one
     layout: Mapped[str] = mapped_column(String(80), default="")
     global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
+    # which restart of the job wrote it (the ``_k`` of MindSpore's renamed prefix); NULL = names don't say
+    incarnation: Mapped[int | None] = mapped_column(Integer)
+    # the job's own health record calls this step abnormal (MindFormers' health_ckpts.json): why
+    health_reason: Mapped[str | None] = mapped_column(Text)
+    # a step whole only as the union of its files: JSON {rank: [ranks whose files hold its slices]}
+    load_plan: Mapped[str | None] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16), index=True)
     expected_ranks: Mapped[int | None] = mapped_column(Integer)
     strategy_id: Mapped[int | None] = mapped_column(ForeignKey("strategy_files.id"))

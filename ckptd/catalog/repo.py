@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, VerificationEvent
-from ckptd.states import SUPERSEDED_KIND, ShardState, StepState, step_state_from
+from ckptd.states import SUPERSEDED_KIND, ShardState, StepState, allows_subset, step_state_from
 
 
 def _insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
@@ -350,7 +350,9 @@ def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
     duplicate = sum(counts.values()) > ranks
     states = {ShardState(st) for st in counts}
     checks = False if duplicate else ckpt.step_checks_ok
-    new = step_state_from(ckpt.expected_ranks, ranks, states, checks)
+    run = session.get(Run, ckpt.run_id)  # in the identity map already on every hot path
+    subset = ckpt.kind != "converted" and run is not None and allows_subset(run.layout)
+    new = step_state_from(ckpt.expected_ranks, ranks, states, checks, subset)
     if new.value != ckpt.state:
         ckpt.state = new.value
     if duplicate and not ckpt.reason:

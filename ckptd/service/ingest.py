@@ -11,6 +11,7 @@ its own step, a strategy file's ingest checks every step bound to an older conte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat as stat_mod
@@ -27,7 +28,9 @@ from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
+from ckptd.format.strategy_merge import load_rank_strategies, merge_rank_strategies
+from ckptd.service import runhints
 from ckptd.settings import Settings
 from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
 
@@ -78,8 +81,7 @@ class Ingestor:
             runs = []
         for run in runs:
             run_path = os.path.join(self.root, run)
-            for path in self._strategy_candidates(run_path):
-                self.examine(path)
+            self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
             for rank_path in runlayout.rank_dirs(run_path).values():
                 with os.scandir(rank_path) as it:
                     for entry in it:
@@ -158,16 +160,26 @@ class Ingestor:
         handful of statements instead of a dozen per shard."""
         outcomes: dict[str, str] = {}
         shards: dict[str, runlayout.ShardName] = {}
+        rank_strategies: dict[str, list[str]] = {}  # run -> its per-rank strategy files in this batch
         for path in dict.fromkeys(paths):  # de-duplicated, in order
             kind = runlayout.classify(self.root, path)
             if isinstance(kind, runlayout.ShardName):
                 shards[path] = kind
+            elif isinstance(kind, runlayout.StrategyName) and kind.rank is not None:
+                rank_strategies.setdefault(kind.run, []).append(path)
             elif isinstance(kind, runlayout.StrategyName):
                 outcomes[path] = self._ingest_strategy(kind.run, path)
+            elif isinstance(kind, runlayout.HealthName):
+                outcomes[path] = self._ingest_health(kind.run)
+            elif isinstance(kind, runlayout.MetaName):
+                outcomes[path] = "ignored"  # MindFormers' own hint: lags and can lie (ckptd.service.runhints)
             elif path.endswith(runlayout.SIDECAR_SUFFIX):
                 outcomes[path] = self._sidecar(path[: -len(runlayout.SIDECAR_SUFFIX)])
             else:
                 outcomes[path] = "ignored"
+        for run_name, run_paths in rank_strategies.items():
+            outcome = self._ingest_rank_strategies(run_name)
+            outcomes.update(dict.fromkeys(run_paths, outcome))
         if shards:
             outcomes.update(self._ingest_shards(shards))
         return outcomes
@@ -206,7 +218,7 @@ class Ingestor:
                 outcomes[path] = "unsettled"
                 continue
             fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
-            key = (name.run, name.prefix, name.epoch, name.step, name.kind)
+            key = (name.run, name.prefix, name.epoch, name.step, name.kind, name.layout, name.incarnation)
             ready.setdefault(key, []).append((name, repo.ShardFile(name.rank, path, fstat, name.format), self._parse_error(path)))
         if vanished:
             outcomes.update(self._vanished_many(vanished))
@@ -217,15 +229,21 @@ class Ingestor:
     def _ingest_checkpoint(
         self, key: tuple, files: list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]
     ) -> dict[str, str]:
-        run_name, prefix, epoch, step, kind = key
+        run_name, prefix, epoch, step, kind, layout, incarnation = key
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
                 run.path = os.path.join(self.root, run_name)
+            if run.layout != layout and (run.layout is None or layout == runlayout.MINDFORMERS):
+                run.layout = layout  # a run holds one layout; a MindFormers tree is never taken for native
             strategy = self._current_strategy(s, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)  # register_shards then locks its history before shards
+            if ckpt.incarnation is None and incarnation is not None:
+                ckpt.incarnation = incarnation
+            if layout == runlayout.MINDFORMERS and ckpt.health_reason is None and ckpt.state == StepState.INCOMPLETE.value:
+                self._apply_health(s, run, [ckpt])  # rank 0 writes the record before the save itself
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size
@@ -386,17 +404,74 @@ class Ingestor:
         self._follow_layout_changes(run_id)
         return "same"
 
+    def _ingest_rank_strategies(self, run_name: str) -> str:
+        """MindFormers' per-rank strategy files: catalogue their merge (the whole layout, equal to
+        ``mindspore.merge_pipeline_strategys``) under the directory's path. A rank missing or
+        stages that disagree make an invalid row whose error says so; steps then report it."""
+        directory = runlayout.rank_strategies_dir(os.path.join(self.root, run_name))
+        mtime_ns = 0
+        try:
+            per_rank = load_rank_strategies(directory)
+            merged = merge_rank_strategies(per_rank, directory)
+            content = encode_strategy(merged)
+            digest, fmt, world, stages, error = merged.content_hash(), "proto", merged.world_size, merged.stages, None
+            for strategy in per_rank.values():
+                if strategy.source_path:
+                    with contextlib.suppress(OSError):
+                        mtime_ns = max(mtime_ns, os.lstat(strategy.source_path).st_mtime_ns)
+        except CkptdError as err:
+            digest, fmt, world, stages, error, content = "invalid", "unknown", 0, 0, str(err), None
+            log.warning("per-rank strategy files of run %s are unusable: %s", run_name, err)
+        with self.sessions.begin() as s:
+            run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
+            row = repo.upsert_strategy(s, run, directory, digest, fmt, world, stages, error, content, mtime_ns or None)
+            if error is not None and row.error != error:
+                row.error = error  # the latest reason (a rank file may be missing now, another before)
+            if error is None:
+                run.world_size = world
+            run_id = run.id
+        self._follow_layout_changes(run_id)
+        return "same"
+
+    def _ingest_health(self, run_name: str) -> str:
+        """MindFormers' health records changed: (re)mark the run's steps they call abnormal."""
+        with self.sessions.begin() as s:
+            run = s.execute(select(Run).where(Run.name == run_name)).scalar_one_or_none()
+            if run is None:
+                return "same"  # no step yet: each new step reads the records itself
+            steps = s.execute(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.kind.in_(RESAVABLE_KINDS))).scalars().all()
+            self._apply_health(s, run, steps)
+        return "same"
+
+    def _apply_health(self, s: Session, run: Run, steps: list[Checkpoint]) -> None:
+        records = runhints.read_health(runlayout.health_path(os.path.join(self.root, run.name)))
+        abnormal = set()
+        for file_name, bad in records.items():
+            parsed = runlayout.parse_shard_name(file_name, 0)  # the record names rank 0's file
+            if parsed is not None and bad:
+                abnormal.add(parsed[:4])  # (prefix, epoch, step, breakpoint)
+        for ckpt in steps:
+            reason = runhints.ABNORMAL_REASON if (ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.kind == "breakpoint") in abnormal else None
+            if ckpt.health_reason != reason:
+                ckpt.health_reason = reason
+
     def _current_strategy(self, s: Session, run: Run) -> StrategyFile | None:
-        """The newest valid strategy file of the run's own directory. Conversions register the
-        strategy of each copy they write for the run too; a new step is never bound to one."""
+        """The newest valid strategy of the run's own directory: the merge of its per-rank files
+        when it has them (MindFormers), else its strategy file. Conversions register the strategy
+        of each copy they write for the run too; a new step is never bound to one."""
         rows = s.execute(
             select(StrategyFile).options(defer(StrategyFile.content))  # one query; the blobs are not needed here
             .where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
             .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())
-        ).scalars()
+        ).scalars().all()
+        merged_at = runlayout.rank_strategies_dir(os.path.join(self.root, run.name))
+        for row in rows:
+            if row.path == merged_at:
+                return row
         for row in rows:
             name = runlayout.classify(self.root, row.path)
-            if isinstance(name, runlayout.StrategyName) and name.run == run.name:
+            if isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None:
                 return row
         return None
 

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
+from ckptd import runlayout
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
@@ -51,10 +53,11 @@ def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None)
     Only ``trained`` rows: converted copies are served through their source step, and the history
     rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps."""
     q = (
-        select(Checkpoint.id, Checkpoint.step, Checkpoint.global_step, Checkpoint.state, Checkpoint.reason,
-               Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned, Checkpoint.lease_until)
+        select(Checkpoint.id, Checkpoint.epoch, Checkpoint.step, Checkpoint.incarnation, Checkpoint.global_step,
+               Checkpoint.state, Checkpoint.reason, Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned,
+               Checkpoint.lease_until, Checkpoint.health_reason)
         .where(Checkpoint.run_id == run_id, Checkpoint.kind == "trained")
-        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc())
+        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc(), Checkpoint.incarnation.desc())
     )
     if limit is not None:
         q = q.limit(limit)
@@ -68,8 +71,10 @@ def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None)
             bad_reason=bad_reason,
             pinned=bool(pinned),
             in_use=lease is not None and _aware(lease) > now,
+            health_reason=health,
+            position=(epoch, step, incarnation or 0),
         )
-        for cid, step, gstep, state, reason, bad, bad_reason, pinned, lease in s.execute(q).all()
+        for cid, epoch, step, incarnation, gstep, state, reason, bad, bad_reason, pinned, lease, health in s.execute(q).all()
     ]
 
 
@@ -128,18 +133,53 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "global_step": ckpt.global_step,
         "name_step": ckpt.step,
         "prefix": ckpt.prefix,
+        "incarnation": ckpt.incarnation,
+        "layout": run.layout or runlayout.NATIVE,
         "world_size": ckpt.expected_ranks,
         "strategy_file": strategy.path if strategy else None,
         "strategy_hash": strategy.content_hash if strategy else None,
-        "shards": [{"rank": r, "path": p} for r, p in shards],
+        "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan),
         "skipped": skipped,
         "conversion": None,
+        "mindformers": mindformers_block(run.path, dict(shards), ckpt) if run.layout == runlayout.MINDFORMERS else None,
     }
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
     if other_world or other_layout:
         answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash)
     return answer
+
+
+def load_entries(own: dict[int, str], world: int | None, load_plan: str | None) -> list[dict[str, Any]]:
+    """One entry per rank: the file it loads. A step whole only as the union of its files (see
+    ``ckptd.service.stepcheck``) also lists, per rank, every file holding its slices (``load_from``);
+    a rank without a file of its own gets the first of those as its ``path`` (``own_file`` false)."""
+    plan = {int(r): src for r, src in json.loads(load_plan).items()} if load_plan else {}
+    entries = []
+    for rank in sorted(set(own) | set(plan) | set(range(world or 0) if plan else ())):
+        sources = [own[r] for r in plan.get(rank, [rank]) if r in own]
+        if not sources:
+            continue
+        entry: dict[str, Any] = {"rank": rank, "path": own.get(rank, sources[0])}
+        if plan:
+            entry["own_file"] = rank in own
+            entry["load_from"] = sources
+        entries.append(entry)
+    return entries
+
+
+def mindformers_block(run_path: str, own: dict[int, str], ckpt: Checkpoint) -> dict[str, Any]:
+    """What MindFormers' own resume needs to load exactly this step: ``load_checkpoint`` (the
+    directory of ``rank_<r>/``) and ``resume_training`` (a file name; MindFormers substitutes each
+    rank's ``_rank_<r>``). ``loadable_by_mindformers`` is false when some rank has no file of its
+    own (a subset save): MindFormers' loader would then fail — load per ``shards[].load_from``."""
+    first = min(own) if own else None
+    return {
+        "load_checkpoint": os.path.dirname(runlayout.shard_dir(run_path, 0, runlayout.MINDFORMERS)),
+        "resume_training": os.path.basename(own[first]) if first is not None else None,
+        "loadable_by_mindformers": ckpt.expected_ranks is not None and set(own) >= set(range(ckpt.expected_ranks)),
+        "remove_redundancy": bool(ckpt.load_plan) and set(own) >= set(range(ckpt.expected_ranks or 0)),
+    }
 
 
 def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None) -> dict[str, Any]:

@@ -9,6 +9,15 @@ Runs once every shard of a step is verified. Reports *all* problems (per rank), 
   shape the strategy implies (the full shape is inferred from each rank and must agree);
 * ranks that hold identical replicas of a parameter hold identical bytes (sampled or full).
 Reads only record headers, plus the payloads of the compared replicas.
+
+Subset saves (``subset=True``, MindFormers runs). With ``remove_redundancy`` every rank saves only
+the parameters MindSpore assigns to it (safetensors metadata ``remove_redundancy: "True"``); after
+a dying-gasp save (MindIO TTP) only some ranks of a data-parallel group wrote files. Such a step
+is whole exactly when every slice of the layout — each parameter's replica group — is held by at
+least one file with the right shape. Then :attr:`StepVerdict.load_plan` says, for every rank of
+the world, which ranks' files hold its slices, and a rank without a file of its own is not a
+problem. A slice nobody holds is one; with ranks missing it only means "not (yet) whole"
+(:attr:`StepVerdict.incomplete`), since their files may still be arriving.
 """
 
 from __future__ import annotations
@@ -33,6 +42,28 @@ RANK_ENTRY_NAMES = ("rank_id", "rank")
 class ShardRef:
     rank: int
     path: str
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    problems: list[str]
+    #: ranks without a file of their own (only possible with ``subset``)
+    missing: tuple[int, ...] = ()
+    #: rank -> ranks whose files hold its slices (only when it differs from "its own file")
+    load_plan: dict[int, tuple[int, ...]] | None = None
+
+    @property
+    def incomplete(self) -> bool:
+        """Not whole, but only because ranks are missing: more files may still arrive."""
+        return bool(self.problems) and bool(self.missing)
+
+
+REDUNDANCY_REMOVED = "remove_redundancy"
+
+
+def redundancy_removed(ckpt: CheckpointFile) -> bool:
+    """MindSpore marks a file saved with ``remove_redundancy`` (safetensors only) in its metadata."""
+    return str(ckpt.metadata.get(REDUNDANCY_REMOVED, "")).lower() == "true"
 
 
 def content_step(ckpt: CheckpointFile) -> int | None:
@@ -77,16 +108,37 @@ def check_step(
     seed: str = "",
     index_cache: IndexCache | None = None,
 ) -> list[str]:
+    """The problems of a step whose every rank must have its own file (see :func:`check_subset_step`)."""
+    return _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, subset=False).problems
+
+
+def check_subset_step(
+    shards: list[ShardRef],
+    expected_ranks: int | None,
+    strategy: Strategy | None,
+    key: bytes | None,
+    replica_mode: Literal["off", "sample", "full"] = "sample",
+    sample: int = 8,
+    seed: str = "",
+    index_cache: IndexCache | None = None,
+) -> StepVerdict:
+    """A step that is whole when the union of its files covers the layout (module docstring)."""
+    return _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, subset=True)
+
+
+def _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, *, subset: bool) -> StepVerdict:  # noqa: ANN001
     problems: list[str] = []
     by_rank: dict[int, ShardRef] = {}
     for ref in shards:
         if ref.rank in by_rank:
             problems.append(f"rank {ref.rank} has two shard files: {by_rank[ref.rank].path} and {ref.path}")
         by_rank[ref.rank] = ref
+    missing: list[int] = []
+    plan: dict[int, tuple[int, ...]] | None = None
     if expected_ranks is not None:
         missing = sorted(set(range(expected_ranks)) - set(by_rank))
         extra = sorted(r for r in by_rank if r >= expected_ranks)
-        if missing:
+        if missing and not (subset and strategy is not None):  # without a strategy nothing says who holds what
             problems.append(f"ranks missing: {missing}")
         if extra:
             problems.append(f"ranks outside the world of {expected_ranks}: {extra}")
@@ -105,13 +157,18 @@ def check_step(
         if len(set(steps.values())) > 1:
             problems.append(f"shards disagree on the global step: {dict(sorted(steps.items()))}")
         if strategy is not None:
-            problems += _check_shapes(opened, strategy)
+            partial = {rank for rank, ck in opened.items() if subset and redundancy_removed(ck)}
+            shape_problems, full_shapes = _check_shapes(opened, strategy, partial)
+            problems += shape_problems
+            if subset and not shape_problems:
+                uncovered, plan = _coverage(opened, strategy, full_shapes, expected_ranks or strategy.world_size)
+                problems += uncovered
             if replica_mode != "off":
                 problems += _check_replicas(opened, strategy, replica_mode, sample, seed)
     finally:
         for ck in opened.values():
             ck.close()
-    return problems
+    return StepVerdict(problems, tuple(missing) if subset else (), plan)
 
 
 def _stage_params(strategy: Strategy, rank: int) -> Mapping[str, object]:
@@ -119,7 +176,11 @@ def _stage_params(strategy: Strategy, rank: int) -> Mapping[str, object]:
     return {e.name: e for e in strategy.entries if e.stage == stage}
 
 
-def _check_shapes(opened: dict[int, CheckpointFile], strategy: Strategy) -> list[str]:
+def _check_shapes(
+    opened: dict[int, CheckpointFile], strategy: Strategy, partial: set[int] = frozenset()  # type: ignore[assignment]
+) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+    """Shape problems, and each parameter's full shape. ``partial``: ranks whose files may hold
+    a subset of their stage's parameters (remove_redundancy); coverage is checked separately."""
     problems: list[str] = []
     full_shapes: dict[str, tuple[int, ...]] = {}
     stage_params: dict[int, Mapping[str, object]] = {}
@@ -134,7 +195,8 @@ def _check_shapes(opened: dict[int, CheckpointFile], strategy: Strategy) -> list
         for name, e in stage_params[stage].items():
             ent = ck.entries.get(name)
             if ent is None:
-                problems.append(f"rank {rank}: strategy assigns {name!r} but the shard does not hold it")
+                if rank not in partial:
+                    problems.append(f"rank {rank}: strategy assigns {name!r} but the shard does not hold it")
                 continue
             key = (name, stage, tuple(ent.shape))
             if key not in shapes:
@@ -153,7 +215,35 @@ def _check_shapes(opened: dict[int, CheckpointFile], strategy: Strategy) -> list
                 problems.append(f"rank {rank}: {name!r} implies full shape {full}, other ranks {seen}")
             elif tuple(ent.shape) != tuple(want):
                 problems.append(f"rank {rank}: {name!r} has shape {ent.shape}, the strategy's slice is {want}")
-    return problems
+    return problems, full_shapes
+
+
+def _coverage(
+    opened: dict[int, CheckpointFile], strategy: Strategy, full_shapes: dict[str, tuple[int, ...]], world: int
+) -> tuple[list[str], dict[int, tuple[int, ...]]]:
+    """Is every slice of every parameter held by some file? (shapes already checked). Returns
+    the uncovered slices and, per rank, the ranks whose files it loads from."""
+    problems: list[str] = []
+    sources: dict[int, set[int]] = {}
+    for e in strategy.entries:
+        full = full_shapes.get(e.name) or e.tensor_shape
+        if full is None:
+            problems.append(f"no file holds {e.name!r} (stage {e.stage})")
+            continue
+        try:
+            groups = [g for g in strategy.replicas(e.name, full) if strategy.stage_and_local(g[0])[0] == e.stage]
+        except CkptdError as err:
+            problems.append(f"{e.name!r}: {err.message}")
+            continue
+        for group in groups:
+            holders = [r for r in group if r in opened and e.name in opened[r].entries]
+            if not holders:
+                problems.append(f"no file holds the slice of {e.name!r} that ranks {list(group)} share")
+                continue
+            for r in group:
+                sources.setdefault(r, set()).add(r if r in holders else holders[0])
+    plan = {r: tuple(sorted(src)) for r, src in sorted(sources.items()) if r < world and src != {r}}
+    return problems[:20] + ([f"and {len(problems) - 20} more uncovered slices"] if len(problems) > 20 else []), plan
 
 
 def _check_replicas(

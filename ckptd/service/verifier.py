@@ -12,6 +12,7 @@ shards; per-shard transactions cost more than reading small shards). ``verify_sh
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -24,16 +25,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Shard, StrategyFile
+from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
 from ckptd.format.verify import verify_file
 from ckptd.runlayout import sidecar_for
-from ckptd.service.stepcheck import ShardRef, check_step, content_step
+from ckptd.service.stepcheck import ShardRef, StepVerdict, check_step, check_subset_step, content_step
 from ckptd.settings import Settings
-from ckptd.states import ShardState
+from ckptd.states import ShardState, allows_subset
 
 log = logging.getLogger("ckptd.verifier")
 _DIGEST_CHUNK = 64 << 20
@@ -351,14 +352,24 @@ class Verifier:
             raise
 
     def _step_ready(self, ckpt_id: int) -> bool:
-        """Every expected shard verified and the step checks not run yet."""
+        """Every expected shard verified and the step checks not run yet (a run allowing subset
+        saves: every shard present verified, and a strategy to tell what they must cover)."""
         with self.sessions() as s:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
                 return False
             counts = dict(s.execute(select(Shard.state, func.count()).where(
                 Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
-            return set(counts) == {ShardState.VERIFIED.value} and counts[ShardState.VERIFIED.value] >= ckpt.expected_ranks
+            if set(counts) != {ShardState.VERIFIED.value}:
+                return False
+            if self._subset(s, ckpt) and ckpt.strategy_id is not None:
+                return True
+            return counts[ShardState.VERIFIED.value] >= ckpt.expected_ranks
+
+    @staticmethod
+    def _subset(s: Session, ckpt: Checkpoint) -> bool:
+        run = s.get(Run, ckpt.run_id)
+        return ckpt.kind != "converted" and run is not None and allows_subset(run.layout)
 
     def check_step(self, ckpt_id: int) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification)."""
@@ -372,9 +383,14 @@ class Verifier:
             strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
             binding = (ckpt.strategy_id, ckpt.expected_ranks)
+            subset = self._subset(s, ckpt)
         t0 = time.perf_counter()
-        problems = check_step(refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed,
-                              index_cache=self.index_cache)
+        args = (refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed)
+        if subset:
+            verdict = check_subset_step(*args, index_cache=self.index_cache)
+        else:
+            verdict = StepVerdict(check_step(*args, index_cache=self.index_cache))
+        problems = verdict.problems
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
@@ -386,6 +402,10 @@ class Verifier:
             steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt_id)).scalars()}
             ckpt.step_checks_ok = not problems
             ckpt.reason = "; ".join(problems) if problems else None
+            if verdict.incomplete:
+                ckpt.reason = f"ranks {list(verdict.missing)} have no file and the others do not cover the layout: {ckpt.reason}"
+            ckpt.load_plan = (json.dumps({str(r): list(src) for r, src in verdict.load_plan.items()})
+                              if not problems and verdict.load_plan else None)
             if not problems and len(steps) == 1:
                 ckpt.global_step = steps.pop()
             repo.add_event(s, ckpt_id, None, "step", "ok" if not problems else "failed", ckpt.reason, time.perf_counter() - t0)
