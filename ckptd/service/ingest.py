@@ -421,12 +421,15 @@ class Ingestor:
                         mtime_ns = max(mtime_ns, os.lstat(strategy.source_path).st_mtime_ns)
         except CkptdError as err:
             digest, fmt, world, stages, error, content = "invalid", "unknown", 0, 0, str(err), None
-            log.warning("per-rank strategy files of run %s are unusable: %s", run_name, err)
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
+            fresh = s.execute(select(StrategyFile.id).where(StrategyFile.run_id == run.id, StrategyFile.path == directory,
+                                                            StrategyFile.error == error)).first() is None
             row = repo.upsert_strategy(s, run, directory, digest, fmt, world, stages, error, content, mtime_ns or None)
             if error is not None and row.error != error:
                 row.error = error  # the latest reason (a rank file may be missing now, another before)
+            if error is not None and fresh:  # once per new reason, not at every rescan
+                log.warning("per-rank strategy files of run %s are unusable: %s", run_name, error)
             if error is None:
                 run.world_size = world
             run_id = run.id

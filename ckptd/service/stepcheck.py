@@ -224,7 +224,7 @@ def _coverage(
     """Is every slice of every parameter held by some file? (shapes already checked). Returns
     the uncovered slices and, per rank, the ranks whose files it loads from."""
     problems: list[str] = []
-    sources: dict[int, set[int]] = {}
+    needs: dict[int, list[frozenset[int]]] = {}  # rank -> for each of its slices, the ranks holding it
     for e in strategy.entries:
         full = full_shapes.get(e.name) or e.tensor_shape
         if full is None:
@@ -241,9 +241,32 @@ def _coverage(
                 problems.append(f"no file holds the slice of {e.name!r} that ranks {list(group)} share")
                 continue
             for r in group:
-                sources.setdefault(r, set()).add(r if r in holders else holders[0])
-    plan = {r: tuple(sorted(src)) for r, src in sorted(sources.items()) if r < world and src != {r}}
+                needs.setdefault(r, []).append(frozenset(holders))
+    plan = {}
+    for r, sets in sorted(needs.items()):
+        src = _fewest_files(r, sets)
+        if r < world and src != {r}:
+            plan[r] = tuple(sorted(src))
     return problems[:20] + ([f"and {len(problems) - 20} more uncovered slices"] if len(problems) > 20 else []), plan
+
+
+def _fewest_files(rank: int, needs: list[frozenset[int]]) -> set[int]:
+    """Ranks whose files give ``rank`` all its slices: its own file first, then greedily the file
+    holding most of what is still missing (so a lost rank loads one replica's file, not pieces)."""
+    chosen: set[int] = set()
+    todo = list(needs)
+    while todo:
+        if any(rank in h for h in todo):
+            pick = rank
+        else:
+            counts: dict[int, int] = {}
+            for h in todo:
+                for r in h:
+                    counts[r] = counts.get(r, 0) + 1
+            pick = min(counts, key=lambda r: (-counts[r], r))
+        chosen.add(pick)
+        todo = [h for h in todo if pick not in h]
+    return chosen
 
 
 def _check_replicas(

@@ -31,6 +31,7 @@ from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
 from ckptd.format.verify import verify_file
+from ckptd import runlayout
 from ckptd.runlayout import sidecar_for
 from ckptd.service.stepcheck import ShardRef, StepVerdict, check_step, check_subset_step, content_step
 from ckptd.settings import Settings
@@ -366,6 +367,16 @@ class Verifier:
                 return True
             return counts[ShardState.VERIFIED.value] >= ckpt.expected_ranks
 
+    def _unusable_strategy(self, s: Session, ckpt: Checkpoint) -> str | None:
+        """Why the run's per-rank strategy files could not be merged, if that is why the step has
+        no strategy (a MindFormers job always writes them: checking without would prove little)."""
+        run = s.get(Run, ckpt.run_id)
+        if run is None or not run.path or ckpt.kind == "converted":
+            return None
+        return s.execute(select(StrategyFile.error).where(
+            StrategyFile.run_id == run.id, StrategyFile.path == runlayout.rank_strategies_dir(run.path),
+            StrategyFile.error.is_not(None)).order_by(StrategyFile.seen_at.desc()).limit(1)).scalar_one_or_none()
+
     @staticmethod
     def _subset(s: Session, ckpt: Checkpoint) -> bool:
         run = s.get(Run, ckpt.run_id)
@@ -384,13 +395,15 @@ class Verifier:
             expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
             binding = (ckpt.strategy_id, ckpt.expected_ranks)
             subset = self._subset(s, ckpt)
+            unusable = self._unusable_strategy(s, ckpt) if ckpt.strategy_id is None else None
         t0 = time.perf_counter()
         args = (refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed)
         if subset:
             verdict = check_subset_step(*args, index_cache=self.index_cache)
         else:
             verdict = StepVerdict(check_step(*args, index_cache=self.index_cache))
-        problems = verdict.problems
+        problems = verdict.problems + ([f"the run's strategy files are unusable, so the shards cannot be checked "
+                                        f"against their layout: {unusable}"] if unusable else [])
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(

@@ -1,0 +1,210 @@
+"""MindFormers' legacy layout end to end in the daemon: catalog, verify, resume exactly what it writes.
+
+Files are written by the real ``mindspore.save_checkpoint`` at MindFormers' names and directories
+(tests/mf_fixtures.py), and by MindFormers' own code (tests/fixtures/mindformers/). Every case runs
+on embedded SQLite and on the real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sqlalchemy.orm import sessionmaker
+
+from ckptd.catalog.db import make_engine
+from ckptd.daemon import Daemon
+from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
+from ckptd.settings import Settings
+from tests.daemon_helpers import query, wait_for
+from tests.mf_fixtures import MFJob, tear, write_health
+
+FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+def _states(url: str, run: str) -> dict[tuple[int, int, int | None], str]:
+    """(epoch, step in the file name, incarnation) -> state of the run's trained steps."""
+    rows = query(url, "SELECT c.epoch, c.step, c.incarnation, c.state FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                      "WHERE r.name = :run AND c.kind = 'trained'", run=run)
+    return {(epoch, step, inc): state for epoch, step, inc, state in rows}
+
+
+def _settle(root: Path, url: str, run: str, want: dict, timeout: float = 60) -> Daemon:
+    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    d.start()
+
+    def check():
+        d.verifier.drain(timeout=10)
+        got = _states(url, run)
+        return got if got == want else None
+
+    try:
+        wait_for(check, timeout, what=f"states {want}")
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+def _resume(url: str, run: str, **opts) -> dict:
+    engine = make_engine(url)
+    try:
+        with sessionmaker(engine).begin() as s:
+            return resume(s, run, ResumeOptions(lease=False, **opts))
+    finally:
+        engine.dispose()
+
+
+def test_tp2_pp2_newest_whole_step_torn_and_incomplete_skipped(ms, root, catalog_url):
+    job = MFJob(root / "job", tp=2, dp=1, pp=2)
+    job.strategy_files()
+    for step in (10, 20, 30):
+        job.save(step)
+    tear(job.path(3, 30))  # a torn write that still carries its final name
+    job.save(40, ranks=[0, 1, 2])  # the node holding rank 3 died mid-save
+    job.write_meta(0, *job.epoch_step(40), job.file_name(0, 40))  # meta.json lies: it names the incomplete step
+    job.network_copy(20)  # network-only copies are not training checkpoints
+    d = _settle(root, catalog_url, "job", {(1, 10, 0): "verified", (1, 20, 0): "verified", (1, 30, 0): "corrupt",
+                                            (1, 40, 0): "incomplete"})
+    d.stop()
+    assert query(catalog_url, "SELECT layout, world_size FROM runs") == [("mindformers", 4)]
+    assert query(catalog_url, "SELECT count(*) FROM shards WHERE path LIKE '%checkpoint_network%'") == [(0,)]
+    prefixes = {p for (p,) in query(catalog_url, "SELECT DISTINCT prefix FROM checkpoints")}
+    assert prefixes == {"llama"}  # the rank tag never splits a step
+    strategy = query(catalog_url, "SELECT path, stages, world_size, error FROM strategy_files")
+    assert strategy == [(str(root / "job" / "strategy"), 2, 4, None)]  # the four stage files, merged
+
+    answer = _resume(catalog_url, "job")
+    assert answer["step"] == 20 and answer["global_step"] == 20 and answer["layout"] == "mindformers"
+    assert [s["path"] for s in answer["shards"]] == [str(job.path(r, 20)) for r in range(4)]
+    mf = answer["mindformers"]
+    assert mf["load_checkpoint"] == str(root / "job" / "checkpoint")
+    assert mf["resume_training"] == job.file_name(0, 20) and mf["loadable_by_mindformers"] is True
+    skipped = {s["step"]: s["reason"] for s in answer["skipped"]}
+    assert skipped[40].startswith("incomplete") and skipped[30].startswith("corrupt")
+    assert "rank 3" in skipped[30]
+
+
+def test_restart_incarnations_newest_complete_wins(ms, root, catalog_url):
+    first = MFJob(root / "job", tp=2, dp=2, steps_per_epoch=8)
+    first.strategy_files()
+    first.save(4)
+    first.save(12, ranks=[0, 2])  # crashed while saving global step 12 (epoch 2, step 4): tp index 1 never written
+    second = MFJob(root / "job", tp=2, dp=2, steps_per_epoch=8, restart=1)  # resumed from step 4, same dir
+    second.save(12)
+    assert second.path(0, 12).name == "llama_rank_0_1-2_4.ckpt"
+    d = _settle(root, catalog_url, "job", {(1, 4, 0): "verified", (2, 4, 0): "incomplete", (2, 4, 1): "verified"})
+    d.stop()
+    rows = query(catalog_url, "SELECT prefix, epoch, step, incarnation, global_step, state FROM checkpoints "
+                              "ORDER BY epoch, incarnation")
+    assert rows == [("llama", 1, 4, 0, 4, "verified"), ("llama", 2, 4, 0, None, "incomplete"),
+                    ("llama_1", 2, 4, 1, 12, "verified")]
+    answer = _resume(catalog_url, "job")
+    assert (answer["global_step"], answer["incarnation"]) == (12, 1)
+    assert answer["mindformers"]["resume_training"] == "llama_rank_0_1-2_4.ckpt"
+
+
+
+def test_dying_gasp_subset_that_covers_is_whole_and_one_that_does_not_is_incomplete(ms, root, catalog_url):
+    job = MFJob(root / "job", tp=2, dp=2)
+    job.strategy_files()
+    job.save(10)
+    job.save(20, ranks=[2, 3])  # MindIO TTP: only data-parallel replica 1 saved; it holds every slice
+    job.save(30, ranks=[1, 3])  # both of tensor-parallel index 1: index 0's slices are nowhere
+    d = _settle(root, catalog_url, "job", {(1, 10, 0): "verified", (1, 20, 0): "verified", (1, 30, 0): "incomplete"})
+    d.stop()
+    (reason,) = query(catalog_url, "SELECT reason FROM checkpoints WHERE step = 30")[0]
+    assert "ranks [0, 2] have no file" in reason and "no file holds" in reason
+    answer = _resume(catalog_url, "job")
+    assert answer["step"] == 20
+    by_rank = {s["rank"]: s for s in answer["shards"]}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    assert by_rank[0]["path"] == str(job.path(2, 20)) and by_rank[0]["own_file"] is False
+    assert by_rank[1]["load_from"] == [str(job.path(3, 20))]
+    assert by_rank[2]["own_file"] is True and by_rank[2]["path"] == str(job.path(2, 20))
+    assert answer["mindformers"]["loadable_by_mindformers"] is False
+    assert answer["mindformers"]["resume_training"] == job.file_name(2, 20)
+
+
+def test_remove_redundancy_subsets_whole_when_their_union_is(ms, root, catalog_url):
+    job = MFJob(root / "job", tp=2, dp=2, fmt="safetensors", remove_redundancy=True)
+    job.strategy_files()
+    job.save(10)
+    job.save(20)
+    # a rank whose share is unique to it: without its file the step cannot be whole
+    lonely = next(r for r in range(job.world) if job.saved_params(r))
+    os.chmod(job.path(lonely, 20), 0o600)
+    os.remove(job.path(lonely, 20))
+    d = _settle(root, catalog_url, "job", {(1, 10, 0): "verified", (1, 20, 0): "incomplete"})
+    d.stop()
+    answer = _resume(catalog_url, "job")
+    assert answer["step"] == 10 and answer["mindformers"]["remove_redundancy"] is True
+    for entry in answer["shards"]:
+        assert entry["own_file"] is True and entry["path"] in entry["load_from"]
+    # every rank loads from files that, together, hold every parameter of its stage
+    from ckptd.format.checkpoint import open_checkpoint
+
+    for entry in answer["shards"]:
+        held: set[str] = set()
+        for path in entry["load_from"]:
+            with open_checkpoint(path) as ck:
+                held |= set(ck.entries)
+        assert set(job.expected_keys(entry["rank"])) <= held
+
+
+def test_health_records_and_breakpoints(ms, root, catalog_url):
+    job = MFJob(root / "job", tp=2, dp=1)
+    job.strategy_files()
+    for step in (10, 20):
+        job.save(step)
+    job.save(25, breakpoint=True)
+    write_health(root / "job", [(job.file_name(0, 10), 0), (job.file_name(0, 20), 1)])  # 1 = ABNORMAL
+    d = _settle(root, catalog_url, "job", {(1, 10, 0): "verified", (1, 20, 0): "verified"})
+    d.stop()
+    kinds = query(catalog_url, "SELECT kind, count(*) FROM checkpoints GROUP BY kind ORDER BY kind")
+    assert kinds == [("breakpoint", 1), ("trained", 2)]
+    answer = _resume(catalog_url, "job")
+    assert answer["step"] == 10
+    assert answer["skipped"][0]["step"] == 20 and "health_ckpts.json" in answer["skipped"][0]["reason"]
+
+
+def test_strategy_files_missing_a_rank_or_disagreeing_are_specific_problems(ms, root, catalog_url):
+    job = MFJob(root / "job", tp=2, dp=1, pp=2)
+    files = job.strategy_files()
+    os.remove(files[3])  # stage 1's second rank never wrote its strategy file
+    job.save(10)
+    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    d.start()
+    try:
+        wait_for(lambda: query(catalog_url, "SELECT error FROM strategy_files"), 30, what="strategy row")
+        (error,) = query(catalog_url, "SELECT error FROM strategy_files")[0]
+        assert "rank" in error and "3" in error
+        wait_for(lambda: _states(catalog_url, "job").get((1, 10, 0)) == "corrupt", 30, what="step 10 corrupt")
+        (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]
+        assert "strategy" in reason and "3" in reason
+    finally:
+        d.stop()
+
+
+def test_mindformers_own_files_are_catalogued_and_resumed(ms, root, catalog_url):
+    """Trees MindFormers' own CheckpointMonitor wrote (2.1.0 on CPU): names, restart, breakpoint."""
+    shutil.copytree(FIXTURES / "legacy", root / "toy")
+    d = _settle(root, catalog_url, "toy", {(2, 4, 0): "verified", (2, 6, 0): "verified", (1, 3, 1): "verified"})
+    d.stop()
+    rows = query(catalog_url, "SELECT prefix, epoch, step, incarnation, global_step, kind FROM checkpoints "
+                              "ORDER BY kind, epoch, step")
+    assert ("toy", 2, 6, 0, 12, "trained") in rows and ("toy_1", 1, 3, 1, 3, "trained") in rows
+    assert any(kind == "breakpoint" for *_, kind in rows)
+    answer = _resume(catalog_url, "toy")
+    assert answer["global_step"] == 12 and answer["mindformers"]["resume_training"] == "toy_rank_0-2_6.ckpt"
