@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps mindformers==2.1.0 && $(PY) -m pip install --quiet pyyaml deprecated regex tqdm requests tensorboardX tokenizers
 	@touch $(STAMP)
 
 demo: $(STAMP)
