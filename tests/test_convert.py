@@ -489,3 +489,86 @@ def test_verifier_catches_a_flipped_byte(tmp_path):
         verify_pieces(task, written["w2"], digests["w2"], lambda o, n: view[o : o + n], buf, path)
     with pytest.raises(ConvertError, match="indexed at"):
         check_index(path, None, rank.tasks, {**written, "w1": ((0, 1),)}, {})
+
+
+# --- a source strategy that lies about the files ----------------------------------------------------
+
+LIES = {
+    # (layout the files were written with, strategy claimed, what the refusal must name)
+    # tp2 x dp2 files under a tp4 strategy: headers agree (every rank's shard has the claimed
+    # shape of a 2x larger tensor), but ranks 2/3 hold the bytes of ranks 0/1 -- data-parallel
+    # replicas -- where the strategy says they hold other slices
+    "tp4_for_tp2dp2": (Spec(2, 2), Spec(4), [r"rank 2\b.*rank 0\b", r"'embedding'", r"'w1'"]),
+    # the same with an optimizer-sharded moment that does differ across the dp replicas
+    "tp4_for_tp2dp2_opt": (Spec(2, 2, opt=2), Spec(4), [r"rank 3\b.*rank 1\b", r"'w2'"]),
+    # tp4 files under a tp2 x dp2 strategy: ranks it calls replicas hold different bytes
+    "tp2dp2_for_tp4": (Spec(4), Spec(2, 2), [r"rank 2\b.*rank 0\b", r"'embedding'"]),
+    # tp2 x pp2 files under a tp2 x dp2 strategy: ranks 2 and 3 lack the stage-0 parameters
+    "dp2_for_pp2": (Spec(2, pp=2), Spec(2, 2), [r"rank 2: .*'embedding'", r"rank 3: .*'embedding'",
+                                               r"rank 0: .*'w2'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIES))
+def test_lying_source_strategy_is_refused_before_anything_is_written(ms, tmp_path, case, capsys):
+    files_spec, claimed, must_name = LIES[case]
+    full = full_tensors(3)
+    write_sources(ms, tmp_path / "src", files_spec, full)
+    lie = write_strategy(claimed, tmp_path / "lie.ckpt")
+    args = ["convert", "--src", str(tmp_path / "src"), "--src-strategy", lie]
+    # into a new OUT: refused, OUT never created
+    rc = cli_main([*args, "--to-layout", f"tp={claimed.tp},dp={claimed.dp}", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "the source strategy does not describe the source files" in err
+    for pattern in must_name:
+        assert __import__("re").search(pattern, err), (pattern, err)
+    assert not (tmp_path / "out").exists()
+    # into an existing OUT: refused, OUT untouched (no temp tree, no rank_<r>)
+    pre = tmp_path / "pre"
+    (pre / "keep").mkdir(parents=True)
+    (pre / "keep" / "x").write_bytes(b"x")
+    assert cli_main([*args, "--to-strategy", "none", "--out", str(pre)]) == 1
+    assert sorted(str(p.relative_to(pre)) for p in pre.rglob("*")) == ["keep", "keep/x"]
+    # the catalog path: plan_conversion(read_inventory(files, key), strategy, target)
+    from ckptd.convert import plan_conversion
+    from ckptd.convert.execute import find_source_files, read_inventory
+    from ckptd.format.strategy import load_strategy
+
+    with pytest.raises(ConvertError, match="does not describe the source files"):
+        plan_conversion(read_inventory(find_source_files(tmp_path / "src"), None), load_strategy(lie), None)
+
+
+def test_every_disagreement_is_listed_per_rank_in_one_error(ms, tmp_path):
+    """A rank lacking a parameter its stage holds (a replica exists: the old planner read it
+    silently), a rank whose dtype differs and a rank beyond the strategy's world: one error."""
+    spec = Spec(2, 2)
+    full = full_tensors(8)
+    write_sources(ms, tmp_path / "src", spec, full)
+    strategy = build_strategy(spec)
+    from ckptd.format.layout import slice_for_rank
+
+    def rewrite(rank, change):
+        items = []
+        for e in strategy.entries:
+            part = np.ascontiguousarray(full[e.name][slice_for_rank(e.layout, SHAPES[e.name], rank).index])
+            items.append(change(e.name, part))
+        from test_convert_helpers import ms_tensor
+
+        data = [{"name": n, "data": ms_tensor(ms, n, a)} for n, a in items if n is not None]
+        ms.save_checkpoint(data, str(tmp_path / "src" / f"rank_{rank}" / "net-1_10.ckpt"))
+
+    rewrite(1, lambda n, a: (None, a) if n == "ln" else (n, a))  # rank 1 lost 'ln'
+    rewrite(3, lambda n, a: (n, a.astype(np.float16)) if n == "w1" else (n, a))  # rank 3: Float16 'w1'
+    (tmp_path / "src" / "rank_4").mkdir()  # a rank the strategy does not have
+    import shutil
+
+    shutil.copy(tmp_path / "src" / "rank_0" / "net-1_10.ckpt", tmp_path / "src" / "rank_4" / "net-1_10.ckpt")
+    sa = write_strategy(spec, tmp_path / "a.ckpt")
+    with pytest.raises(ConvertError) as info:
+        plan_from_dir(tmp_path / "src", sa, None)
+    text = str(info.value)
+    assert "rank 1: " in text and "'ln'" in text
+    assert "rank 3: " in text and "Float16" in text and "'w1'" in text
+    assert r"source rank(s) [4] found" in text
+    assert info.value.hint

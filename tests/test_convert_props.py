@@ -211,3 +211,52 @@ def test_mismatched_strategies_are_refused_before_any_output(case, mutation):
         with pytest.raises(ConvertError):
             convert(root / "src", src, dst, root / "out")
         assert not (root / "out").exists()
+
+
+def _lie(layout: TensorLayout, kind: str) -> TensorLayout | None:
+    """The layout a lying strategy claims for a parameter really laid out as ``layout``:
+    ``replica_as_split`` splits an unsplit dim over a device axis the parameter is replicated on
+    (tp2 x dp2 files read as tp4); ``split_as_replica`` drops a split (tp4 files read as tp2 x
+    dp2). None if the layout offers no such change (or is optimizer-sharded)."""
+    if layout.opt_shard_active:
+        return None
+    tmap = list(layout.tensor_map)
+    used = {m for m in tmap if m != -1}
+    if kind == "replica_as_split":
+        free = [m for m in range(len(layout.dev_matrix)) if m not in used and layout.dev_matrix[-1 - m] > 1]
+        dims = [d for d, m in enumerate(tmap) if m == -1]
+        if not free or not dims:
+            return None
+        tmap[dims[0]] = free[0]
+    else:
+        split = [d for d, m in enumerate(tmap) if m != -1 and layout.dev_matrix[-1 - m] > 1]
+        if not split:
+            return None
+        tmap[split[0]] = -1
+    return TensorLayout(layout.dev_matrix, tuple(tmap))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(cases(), st.sampled_from(["replica_as_split", "split_as_replica"]))
+def test_a_strategy_lying_about_replicas_is_refused(case, kind):
+    """Shapes cannot expose these lies (every shard has the shape the lie implies for some larger
+    or smaller tensor); the bytes do: claimed replicas differ, or claimed different slices are
+    bit-identical in two or more float parameters."""
+    from hypothesis import assume
+
+    full, src_l, _ = case
+    full = {n: a.astype(np.float32) + 1 for n, a in full.items()}  # non-constant, distinct float data
+    lied = {n: lay for n, lay in ((n, _lie(lay, kind)) for n, lay in src_l.items()) if lay is not None}
+    need = 2 if kind == "replica_as_split" else 1
+    # a lied parameter must have more than one element per shard, or its bytes prove nothing
+    lied = {n: lay for n, lay in lied.items() if math.prod(slice_for_rank(src_l[n], full[n].shape, 0).sizes) > 1}
+    assume(len(lied) >= need)
+    claim = _strategy({**src_l, **lied})
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _write_sources(root / "src", full, _strategy(src_l))
+        with pytest.raises(ConvertError, match="does not describe the source files") as info:
+            convert(root / "src", claim, None, root / "out")
+        assert not (root / "out").exists()
+        what = "holds the same bytes as rank" if kind == "replica_as_split" else "holds other bytes than rank"
+        assert what in str(info.value)

@@ -7,18 +7,34 @@ Usage (these flags are a public contract; keep them)::
                   [--out-key-file F] [--format ckpt|safetensors] [--prefix checkpoint_] [--json]
 
 --src DIR           source checkpoints, one per rank: ``DIR/rank_<r>/<file>.ckpt`` (or .safetensors),
-                    as ``mindspore.transform_checkpoints`` expects. Missing ranks are fine while a
-                    replica of every needed slice exists.
+                    as ``mindspore.transform_checkpoints`` expects, or a MindFormers output directory
+                    (``<out>`` or ``<out>/checkpoint``: ``rank_<r>/{P}_rank_<r>[_k]-{E}_{S}.ckpt``;
+                    ``meta.json`` is never read). Missing ranks are fine while a replica of every
+                    needed slice exists.
 --src-strategy OLD  the source job's strategy file (MindSpore protobuf or JSON; pipeline jobs: the
-                    merged file); ``none`` = one unsharded checkpoint in ``rank_0``.
---to-strategy NEW   the destination strategy file, or ``none`` for one unsharded checkpoint.
+                    merged file), or a DIRECTORY of per-rank strategy files (MindFormers'
+                    ``<out>/strategy/``, one stage per file under pipeline parallelism), which is
+                    merged; ``none`` = one unsharded checkpoint in ``rank_0``. It must describe the
+                    files: every rank's file must hold its stage's parameters at the slice shapes it
+                    implies, replicas must hold equal bytes and no rank may hold another's bytes where
+                    it implies different slices -- otherwise every disagreement, per rank, is
+                    printed and nothing is written (ckptd/convert/consistency.py; the byte
+                    comparisons read one page per tensor of plaintext sources, encrypted sources get
+                    the header checks only).
+--to-strategy NEW   the destination strategy file (or directory of per-rank files), or ``none`` for
+                    one unsharded checkpoint.
 --to-layout SPEC    instead of --to-strategy: derive it from the source (``tp=..,dp=..[,pp=..]``; rule in
                     ckptd/convert/layouts.py); the derived file is saved as
                     ``OUT/strategy_tp<T>_dp<D>_pp<P>.ckpt``.
 --out DIR           output: ``DIR/rank_<r>/<prefix><r>.ckpt`` per destination rank (``rank_0`` only for
-                    ``none``). Existing ``rank_<r>`` directories are never overwritten.
---step N            when a rank directory holds several checkpoints, pick step N (or EPOCH_N) by
-                    MindSpore's ``<prefix>-<epoch>_<step>.ckpt`` names; never guessed by name order.
+                    ``none``). Existing ``rank_<r>`` directories are never overwritten; a refused
+                    conversion does not create DIR.
+--step S            when a rank directory holds several checkpoints, pick one save:
+                    ``[PREFIX-][EPOCH_]STEP[_breakpoint]`` matched against the file names
+                    (``200``, ``2_200``; ``llama_1-2_200`` picks the restart that appended ``_1`` to
+                    the prefix; ``2_200_breakpoint`` picks a breakpoint save, which is never picked
+                    otherwise). Never guessed by name order or mtime; the files picked must all be of
+                    one save.
 --rank R            convert only destination rank R (repeatable): several machines can share a job.
 --plan              print, per destination rank, the source shards read, bytes to move and the
                     estimated peak memory; write nothing. Impossible conversions exit 1 either way.
@@ -57,16 +73,19 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="re-shard checkpoints to another parallel layout (streaming, verified, atomic)",
         description="Re-shard per-rank MindSpore checkpoints from one strategy to another.",
     )
-    p.add_argument("--src", metavar="DIR", help="directory of rank_<r>/ source checkpoints")
-    p.add_argument("--src-strategy", metavar="OLD", help="source strategy file, or 'none' (unsharded)")
+    p.add_argument("--src", metavar="DIR",
+                   help="directory of rank_<r>/ source checkpoints, or a MindFormers output dir")
+    p.add_argument("--src-strategy", metavar="OLD",
+                   help="source strategy file, directory of per-rank strategy files, or 'none' (unsharded)")
     p.add_argument("--run", metavar="R", help="instead of --src: a catalogued run (with --step; registers the result)")
     p.add_argument("--db", metavar="URL", help="with --run: catalog URL")
     p.add_argument("--root", metavar="DIR", help="with --run: checkpoint root")
     to = p.add_mutually_exclusive_group(required=True)
-    to.add_argument("--to-strategy", metavar="NEW", help="destination strategy file, or 'none' (unsharded)")
+    to.add_argument("--to-strategy", metavar="NEW", help="destination strategy file (or per-rank directory), or 'none'")
     to.add_argument("--to-layout", metavar="SPEC", help="derive the destination: tp=..,dp=..[,pp=..]")
     p.add_argument("--out", metavar="DIR", help="output directory (required unless --plan)")
-    p.add_argument("--step", metavar="N", help="pick this step (N or EPOCH_N) when rank dirs hold several")
+    p.add_argument("--step", metavar="S",
+                   help="pick this save when rank dirs hold several: [PREFIX-][EPOCH_]STEP[_breakpoint]")
     p.add_argument("--rank", type=int, action="append", metavar="R", help="convert only this destination rank (repeatable)")
     p.add_argument("--plan", action="store_true", help="print the plan without moving data")
     p.add_argument("--workers", type=int, metavar="N", help="destination ranks converted in parallel")
@@ -87,9 +106,9 @@ def _usage(message: str) -> CkptdError:
 
 def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
     from ckptd.convert.layouts import derive_strategy, parse_layout_spec
-    from ckptd.format.strategy import load_strategy
+    from ckptd.convert.sources import resolve_strategy
 
-    src = None if args.src_strategy.lower() == "none" else load_strategy(args.src_strategy)
+    src = None if args.src_strategy.lower() == "none" else resolve_strategy(args.src_strategy)
     if args.to_layout is not None:
         spec = parse_layout_spec(args.to_layout)
         if src is None:
@@ -97,7 +116,7 @@ def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
         dst = derive_strategy(src, spec["tp"], spec["dp"], spec.get("pp"))
         name = f"strategy_tp{spec['tp']}_dp{spec['dp']}_pp{dst.stages}.ckpt"
         return src, dst, name
-    dst = None if args.to_strategy.lower() == "none" else load_strategy(args.to_strategy)
+    dst = None if args.to_strategy.lower() == "none" else resolve_strategy(args.to_strategy)
     return src, dst, None
 
 

@@ -231,10 +231,12 @@ def convert(
     progress: Progress | None = None,
     plan: ConversionPlan | None = None,
 ) -> ConvertReport:
-    """Re-shard the checkpoints of ``src_dir/rank_<r>/`` into ``out_dir/rank_<r>/<prefix><r>.<ext>``.
+    """Re-shard the checkpoints of ``src_dir`` (``rank_<r>/`` directories, or a MindFormers output
+    directory: :func:`find_source_files`) into ``out_dir/rank_<r>/<prefix><r>.<ext>``.
 
-    ``src_strategy``/``dst_strategy``: a :class:`Strategy`, a strategy file path, or None
-    (unsharded). ``ranks`` converts only those destination ranks. ``progress(done, total)`` is
+    ``src_strategy``/``dst_strategy``: a :class:`Strategy`, a strategy file path, a directory of
+    per-rank strategy files, or None (unsharded). A source strategy that does not describe the
+    files is refused, with every disagreement, before ``out_dir`` is created. ``ranks`` converts only those destination ranks. ``progress(done, total)`` is
     called (from worker threads) with destination bytes produced so far. Raises
     :class:`ConvertError` (or another :class:`CkptdError`) with nothing renamed into ``out_dir``.
     """

@@ -23,6 +23,10 @@ Rules (the same as ``mindspore.transform_checkpoints`` unless said otherwise):
   source rank ``stage0 * src_stage_devices + (dst_local_rank % src_stage_devices)`` (``stage0`` =
   lowest source stage the destination rank reads), like MindSpore -- EXCEPT an entry named
   ``rank_id``, which is set to the destination rank (ckptd's daemon checks it against the file).
+* Before anything else, the source files must be what the source strategy says they are
+  (:mod:`ckptd.convert.consistency`: per rank, every parameter of its stage at the implied slice
+  shape, one dtype, replicas bit-equal, no replicas read as tensor-parallel ranks); all
+  disagreements are refused in one error.
 * Refused (:class:`ConvertError`): a parameter in one strategy but not the other (MindSpore would
   silently copy a wrong local shard), in both strategies but in no source file, shards that
   disagree on shape/dtype, non-divisible splits, ranks outside the strategies, single-stage
@@ -35,6 +39,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ckptd.convert.consistency import check_sources
 from ckptd.convert.plan_types import (  # re-exported: ckptd.convert.plan is where callers import them from
     CHUNK_BYTES,
     MAP_TENSOR_TYPE,
@@ -148,13 +153,8 @@ def plan_conversion(
 
     if not shards:
         raise ConvertError("no source checkpoints found", hint="the source directory needs rank_<N>/ sub-directories")
-    extra = sorted(r for r in shards if not 0 <= r < src_world)
-    if extra:
-        what = "is unsharded (--src-strategy none): only rank_0 is read" if src is None else f"covers ranks 0..{src_world - 1}"
-        raise ConvertError(
-            f"source rank(s) {extra} found but the source strategy {what}",
-            hint="the source directory and the source strategy describe different jobs (world-size mismatch)",
-        )
+    # the files must be what the source strategy says they are: every disagreement, per rank
+    notes.extend(check_sources(shards, src))
     absent = sorted(set(range(src_world)) - set(shards))
     if absent:
         notes.append(f"source rank(s) {absent} have no checkpoint; replicas are read instead where they exist")

@@ -1,10 +1,24 @@
 """Finding, indexing and reading the source checkpoints of a conversion.
 
-``find_source_files`` maps ``DIR/rank_<r>/`` to files (``--step`` picks one of several, never
-file-name order); ``read_inventory`` indexes them (headers only) into the planner's input;
+``find_source_files`` maps the rank directories of a source to one file each; ``read_inventory``
+indexes them (headers, plus a digest of each tensor's first bytes) into the planner's input;
 ``row_views`` hands out the rows of a source entry as zero-copy views of the mmap'd (or
 decrypting) file, each with a function dropping the mapped pages once used, so reading adds only
 about one chunk to the process's resident memory whatever the file size.
+
+A source is a directory of ``rank_<r>/`` (what ``mindspore.transform_checkpoints`` reads, and what
+ckptd writes) or a MindFormers output directory (``<out>`` or ``<out>/checkpoint``, whose
+``rank_<r>/`` hold ``{P}_rank_<r>[_k]-{E}_{S}.ckpt``, ``meta.json`` and breakpoint saves). Which
+directories and names are checkpoints is :mod:`ckptd.runlayout`'s knowledge (``detect_layout``,
+``rank_dirs``, ``parse_shard_name``); this module only picks among them:
+
+* ``meta.json`` and other non-checkpoint files are never sources; breakpoint saves
+  (``..._breakpoint.ckpt``, written by MindFormers' exception handler in the middle of a step)
+  are sources only when ``--step`` names one (``E_S_breakpoint``), never by default;
+* a rank directory holding several checkpoints needs ``--step`` -- file-name order or mtime never
+  decides -- and ``--step`` may carry the save's prefix (``PREFIX-E_S``: the rank tag dropped, the
+  restart suffix ``_k`` kept) to choose between two incarnations that saved the same step;
+* the files picked must all be of one save (same prefix, epoch, step): a mix is refused.
 """
 
 from __future__ import annotations
@@ -14,101 +28,240 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from ckptd import runlayout
+from ckptd.convert.consistency import ranks_text
 from ckptd.convert.plan import CHUNK_BYTES, ConversionPlan, ConvertError, ShardEntry, SourceShard, plan_conversion
+from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
-from ckptd.format.dtypes import numpy_dtype
+from ckptd.format.dtypes import MS_DTYPES, itemsize, numpy_dtype
 from ckptd.format.entry import TensorEntry
 from ckptd.format.layout import Slice
 from ckptd.format.strategy import Strategy, load_strategy
 
-_STEP_NAME = re.compile(r"-(\d+)_(\d+)\.(?:ckpt|safetensors)$")
-_RANK_DIR = re.compile(r"rank_(0|[1-9][0-9]*)")
+#: bytes of each tensor's payload digested by ``read_inventory`` (one page: ~free for mmap'd files)
+PROBE_BYTES = 4096
+_STEP_ARG = re.compile(r"(?:(?P<prefix>.+)-)?(?:(?P<epoch>0|[1-9][0-9]*)_)?(?P<step>0|[1-9][0-9]*)(?P<bp>_breakpoint)?")
+STEP_SYNTAX = "[PREFIX-][EPOCH_]STEP[_breakpoint]"
+_MAX_LISTED = 20
 
 
-# --- finding and indexing ----------------------------------------------------------------------
+# --- finding -----------------------------------------------------------------------------------
 
 
-def _parse_step(step: int | str | None) -> tuple[int | None, int | None]:
-    """``--step`` is ``N`` (the step) or ``E_N`` (epoch and step), as in ``net-E_N.ckpt``."""
+@dataclass(frozen=True)
+class StepChoice:
+    """What ``--step`` asks for: ``[PREFIX-][EPOCH_]STEP[_breakpoint]`` (``200``, ``2_200``,
+    ``llama_1-2_200``, ``2_200_breakpoint``); unset parts match anything."""
+
+    text: str
+    step: int
+    epoch: int | None = None
+    prefix: str | None = None
+    breakpoint: bool = False
+
+    def matches(self, save: "Save") -> bool:
+        return (save.step == self.step and save.breakpoint == self.breakpoint
+                and (self.epoch is None or save.epoch == self.epoch)
+                and (self.prefix is None or save.prefix == self.prefix))
+
+
+@dataclass(frozen=True)
+class Save:
+    """A checkpoint's save identity across ranks, from runlayout's reading of its name."""
+
+    prefix: str
+    epoch: int
+    step: int
+    breakpoint: bool
+
+    def label(self) -> str:
+        """The ``--step`` text that picks exactly this save."""
+        return f"{self.prefix}-{self.epoch}_{self.step}" + ("_breakpoint" if self.breakpoint else "")
+
+
+@dataclass(frozen=True)
+class _File:
+    name: str
+    path: str
+    save: Save | None  # None: not a ``<prefix>-<epoch>_<step>`` name (e.g. ckptd's own outputs)
+
+    @property
+    def is_breakpoint(self) -> bool:
+        return self.save is not None and self.save.breakpoint
+
+
+def parse_step(step: int | str | None) -> StepChoice | None:
     if step is None:
-        return None, None
+        return None
     text = str(step)
-    m = re.fullmatch(r"(?:(\d+)_)?(\d+)", text)
+    m = _STEP_ARG.fullmatch(text)
     if m is None:
-        raise ConvertError(f"--step {text!r} is not N or EPOCH_N", hint="e.g. --step 200 or --step 2_200")
-    return (int(m.group(1)) if m.group(1) else None), int(m.group(2))
+        raise ConvertError(f"--step {text!r} is not {STEP_SYNTAX}",
+                           hint="e.g. --step 200, --step 2_200, --step llama_1-2_200 or --step 2_200_breakpoint")
+    return StepChoice(text, int(m.group("step")), int(m.group("epoch")) if m.group("epoch") else None,
+                      m.group("prefix"), bool(m.group("bp")))
 
 
-def find_source_files(src_dir: str | os.PathLike[str], step: int | str | None = None) -> dict[int, str]:
-    """``{rank: file}`` for every ``src_dir/rank_<r>/`` holding a checkpoint.
-
-    A rank directory holding several checkpoints needs ``step`` (matched against MindSpore's
-    ``<prefix>-<epoch>_<step>.ckpt`` names); file-name order is never used to guess.
-    """
-    root = os.fspath(src_dir)
-    if not os.path.isdir(root):
-        raise ConvertError("source directory not found", path=root, hint="--src DIR must hold rank_<N>/ directories")
-    epoch, want = _parse_step(step)
-    out: dict[int, str] = {}
-    for name in sorted(os.listdir(root)):
-        m = _RANK_DIR.fullmatch(name)
-        path = os.path.join(root, name)
-        if m is None or not os.path.isdir(path):
+def _rank_files(rank: int, path: str) -> list[_File]:
+    out = []
+    for name in sorted(os.listdir(path)):
+        if name.startswith("."):
             continue
-        files = sorted(
-            f for f in os.listdir(path)
-            if f.endswith((".ckpt", ".safetensors")) and not f.startswith(".") and os.path.isfile(os.path.join(path, f))
-        )
-        if not files:
+        parsed = runlayout.parse_shard_name(name, rank)
+        if parsed is None and not name.endswith(runlayout.SHARD_SUFFIXES):
+            continue  # meta.json, .done sidecars, in-flight temp files, ...
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
             continue
-        if want is not None:
-            hits = []
-            for f in files:
-                sm = _STEP_NAME.search(f)
-                if sm and int(sm.group(2)) == want and (epoch is None or int(sm.group(1)) == epoch):
-                    hits.append(f)
-            if len(hits) != 1:
-                what = "no checkpoint" if not hits else f"several checkpoints {hits}"
-                raise ConvertError(f"{what} of step {step} in {path} (it holds {files})",
-                                   path=path, hint="name the step as EPOCH_STEP if several epochs share a step number")
-            files = hits
-        elif len(files) > 1:
-            steps = sorted({f"{sm.group(1)}_{sm.group(2)}" for f in files if (sm := _STEP_NAME.search(f))})
-            raise ConvertError(
-                f"{len(files)} checkpoints in {path}: {files}", path=path,
-                hint=f"pick one with --step (steps found: {', '.join(steps) or 'none named <prefix>-<epoch>_<step>'})",
-            )
-        out[int(m.group(1))] = os.path.join(path, files[0])
-    if not out:
-        raise ConvertError("no rank_<N>/ directory with a checkpoint", path=root,
-                           hint="--src DIR must hold rank_<N>/<file>.ckpt (as mindspore.transform_checkpoints expects)")
+        save = Save(parsed[0], parsed[1], parsed[2], parsed[3]) if parsed is not None else None
+        out.append(_File(name, full, save))
     return out
 
 
-def _shard_entry(e: TensorEntry) -> ShardEntry:
-    return ShardEntry(e.name, e.dtype, tuple(e.shape), e.nbytes)
+def _labels(files: Sequence[_File]) -> list[str]:
+    """The shortest ``--step`` text for each save among ``files`` (prefix and epoch only if needed)."""
+    saves = sorted({f.save for f in files if f.save is not None},
+                   key=lambda s: (s.epoch, s.step, s.prefix, s.breakpoint))
+    out = []
+    for s in saves:
+        prefixes = {t.prefix for t in saves if (t.epoch, t.step, t.breakpoint) == (s.epoch, s.step, s.breakpoint)}
+        out.append(s.label() if len(prefixes) > 1 else f"{s.epoch}_{s.step}" + ("_breakpoint" if s.breakpoint else ""))
+    return list(dict.fromkeys(out))
+
+
+def find_source_files(src_dir: str | os.PathLike[str], step: int | str | None = None) -> dict[int, str]:
+    """``{rank: file}``: one checkpoint of every rank directory of the source (see the module
+    docstring for what is picked). Raises :class:`ConvertError` listing every rank it cannot decide.
+    """
+    root = os.fspath(src_dir)
+    if not os.path.isdir(root):
+        raise ConvertError("source directory not found", path=root,
+                           hint="--src DIR must hold rank_<N>/ directories (or be a MindFormers output directory)")
+    want = parse_step(step)
+    layout = runlayout.detect_layout(root)
+    chosen: dict[int, _File] = {}
+    problems: list[str] = []
+    seen: list[_File] = []
+    only_breakpoints: list[int] = []
+    for rank, path in sorted(runlayout.rank_dirs(root, layout).items()):
+        files = _rank_files(rank, path)
+        seen += files
+        if not files:
+            continue
+        if want is None:
+            usable = [f for f in files if not f.is_breakpoint]
+            if not usable:
+                only_breakpoints.append(rank)
+                continue
+            if len(usable) > 1:
+                problems.append(f"{len(usable)} checkpoints in {path}: {[f.name for f in usable]}")
+                continue
+            chosen[rank] = usable[0]
+            continue
+        hits = [f for f in files if f.save is not None and want.matches(f.save)]
+        if len(hits) != 1:
+            what = "no checkpoint" if not hits else f"several checkpoints {[f.name for f in hits]}"
+            problems.append(f"{what} of step {want.text} in {path} (it holds {[f.name for f in files]})")
+            continue
+        chosen[rank] = hits[0]
+    labels = ", ".join(_labels(seen)) or "none named <prefix>-<epoch>_<step>"
+    if not problems:
+        problems += _mixed_saves(chosen)
+    if problems:
+        shown = problems[:_MAX_LISTED]
+        more = f"; ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise ConvertError("; ".join(shown) + more, path=root,
+                           hint=f"pick one save with --step {STEP_SYNTAX} (saves found: {labels})")
+    if not chosen:
+        hint = "--src DIR must hold rank_<N>/<file>.ckpt (as mindspore.transform_checkpoints expects), or be a " \
+               "MindFormers output directory (<out>/checkpoint/rank_<N>/)"
+        if only_breakpoints:
+            hint = (f"rank(s) {ranks_text(only_breakpoints)} hold only breakpoint saves, which are used only when "
+                    f"--step names one (saves found: {labels})")
+        raise ConvertError("no rank_<N>/ directory with a checkpoint", path=root, hint=hint)
+    return {rank: f.path for rank, f in chosen.items()}
+
+
+def _mixed_saves(chosen: Mapping[int, _File]) -> list[str]:
+    """The files picked (one per rank) must be of one save: a mix is the wrong data."""
+    by_save: dict[Save, list[int]] = {}
+    for rank, f in sorted(chosen.items()):
+        if f.save is not None:
+            by_save.setdefault(f.save, []).append(rank)
+    if len(by_save) < 2:
+        return []
+    parts = [f"rank(s) {ranks_text(ranks)}: {chosen[ranks[0]].name}" for _, ranks in
+             sorted(by_save.items(), key=lambda kv: kv[1][0])]
+    return [f"the rank directories hold checkpoints of different saves ({'; '.join(parts)})"]
+
+
+# --- strategies ----------------------------------------------------------------------------------
+
+
+def resolve_strategy(value: Strategy | str | os.PathLike[str] | None) -> Strategy | None:
+    """A :class:`Strategy`, None (unsharded), a strategy file, or a *directory* of per-rank
+    strategy files (MindFormers' ``<out>/strategy/``; under pipeline parallelism each holds one
+    stage), which is merged (:func:`ckptd.format.strategy_merge.merge_rank_strategies`)."""
+    if value is None or isinstance(value, Strategy):
+        return value
+    path = os.fspath(value)
+    if not os.path.isdir(path):
+        return load_strategy(path)
+    try:
+        from ckptd.format.strategy_merge import load_rank_strategies, merge_rank_strategies
+    except ModuleNotFoundError as err:
+        if err.name != "ckptd.format.strategy_merge":
+            raise
+        raise ConvertError("a directory of per-rank strategy files needs ckptd.format.strategy_merge, which this "
+                           "ckptd lacks", path=path,
+                           hint="merge them with mindspore.merge_pipeline_strategys and pass the merged file") from None
+    return merge_rank_strategies(load_rank_strategies(path), where=path)
+
+
+# --- indexing ----------------------------------------------------------------------------------
+
+
+def _probe(cf: CheckpointFile, ent: TensorEntry) -> tuple[bytes | None, bool]:
+    """(digest of the payload's first ``PROBE_BYTES``, whether they repeat one element); (None,
+    False) for strings, unknown dtypes, empty tensors and encrypted files (not decrypted for this)."""
+    if cf.encryption is not None or ent.dtype not in MS_DTYPES:
+        return None, False
+    isz = itemsize(ent.dtype)
+    n = min(ent.nbytes, PROBE_BYTES) // isz * isz
+    if n == 0:
+        return None, False
+    try:
+        buf, release = payload_view(cf, ent, 0, n)
+        data = bytes(buf)
+        del buf
+        release()
+    except CkptdError:
+        return None, False  # the executor refuses the entry with the reason
+    return xxhash.xxh3_128_digest(data), data == data[:isz] * (n // isz)
+
+
+def _shard_entry(cf: CheckpointFile, e: TensorEntry) -> ShardEntry:
+    probe, constant = _probe(cf, e)
+    return ShardEntry(e.name, e.dtype, tuple(e.shape), e.nbytes, probe, constant)
 
 
 def read_inventory(files: Mapping[int, str], key: bytes | None = None) -> list[SourceShard]:
-    """Index every source file (headers only) into the planner's input."""
+    """Index every source file into the planner's input: headers, and a digest of each tensor's
+    first bytes (plaintext files), with which the planner checks the source strategy
+    (ckptd/convert/consistency.py)."""
     shards = []
     for rank in sorted(files):
         with open_checkpoint(files[rank], key) as cf:
             if cf.problems:
                 raise cf.problems[0]
-            shards.append(SourceShard(rank, files[rank], tuple(_shard_entry(e) for e in cf.entries.values())))
+            shards.append(SourceShard(rank, files[rank], tuple(_shard_entry(cf, e) for e in cf.entries.values())))
     return shards
-
-
-def _strategy(value: Strategy | str | os.PathLike[str] | None) -> Strategy | None:
-    if value is None or isinstance(value, Strategy):
-        return value
-    return load_strategy(value)
 
 
 def plan_from_dir(
@@ -120,9 +273,10 @@ def plan_from_dir(
     ranks: Sequence[int] | None = None,
     key: bytes | None = None,
 ) -> ConversionPlan:
-    """Find, index and plan; reads no tensor data."""
+    """Find, index and plan; reads headers and one page per tensor, no tensor data."""
     files = find_source_files(src_dir, step)
-    return plan_conversion(read_inventory(files, key), _strategy(src_strategy), _strategy(dst_strategy), ranks=ranks)
+    return plan_conversion(read_inventory(files, key), resolve_strategy(src_strategy), resolve_strategy(dst_strategy),
+                           ranks=ranks)
 
 
 # --- reading regions -------------------------------------------------------------------------
