@@ -21,7 +21,7 @@ from ckptd.daemon import Daemon
 from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
 from ckptd.settings import Settings
 from tests.daemon_helpers import query, wait_for
-from tests.mf_fixtures import MFJob, tear, write_health
+from tests.mf_fixtures import RESUME_SCENARIOS, MFJob, tear, write_health
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
 
@@ -208,3 +208,65 @@ def test_mindformers_own_files_are_catalogued_and_resumed(ms, root, catalog_url)
     assert any(kind == "breakpoint" for *_, kind in rows)
     answer = _resume(catalog_url, "toy")
     assert answer["global_step"] == 12 and answer["mindformers"]["resume_training"] == "toy_rank_0-2_6.ckpt"
+
+
+# ckptd's answer on each tree MindFormers' own resume was run on (tests/mf_fixtures.RESUME_SCENARIOS,
+# whose recorded MindFormers answers tests/test_mindformers_crosscheck.py checks live): the global step
+# ckptd resumes, and whether MindFormers' loader can load it as is. Each tree gets the per-rank
+# strategy files every semi-auto-parallel MindFormers job writes.
+CKPTD_ANSWERS = {
+    "complete": (200, True),
+    "rank_missing_newest": (300, False),  # rank 2's slices are in its replica rank 0's file (MindFormers: 200)
+    "meta_lags": (200, True),  # every rank wrote 200; a lagging meta.json says nothing (MindFormers: 100)
+    "torn_newest": (100, True),  # rank 1's 200 is truncated (MindFormers: 200, which fails to load)
+    "dying_gasp": (200, False),  # ranks 0,1 hold every slice (MindFormers: 100)
+    "no_meta": (200, True),
+    "corrupt_meta": (200, True),
+    "restart_resumed": (300, False),  # further than the restart's 250 (MindFormers: 250, new prefix only)
+    "restart_from_scratch": (300, True),  # (MindFormers: 50, the restart's meta.json won)
+    "missing_top_rank_dir": (200, False),  # the strategy says 4 ranks; rank 3 loads rank 1's file
+    "peer_writes": (200, True),
+    "epochs": (150, True),
+    "meta_lies": (100, False),  # (MindFormers raises)
+    "resume_demo": (6, False),  # (MindFormers: 4)
+    "pp_missing": (100, True),  # stage 1's rank 3 has no replica
+}
+
+
+@pytest.mark.parametrize("scenario", RESUME_SCENARIOS, ids=lambda s: s.name)
+def test_ckptd_against_mindformers_own_resume_choice(ms, root, tmp_path, scenario):
+    s = scenario
+    assert set(CKPTD_ANSWERS) == {x.name for x in RESUME_SCENARIOS}
+    job = s.build(root / "job")
+    job.strategy_files()
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    from ckptd.catalog.db import upgrade
+
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    want_step, want_loadable = CKPTD_ANSWERS[s.name]
+    on_disk = sum(1 for p in (root / "job" / "checkpoint").rglob("*") if p.suffix in (".ckpt", ".safetensors"))
+    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+    d.start()
+    try:
+        def settled():
+            d.verifier.drain(timeout=10)
+            states = set(_states(url, "job").values())
+            unverified = query(url, "SELECT count(*) FROM shards WHERE state = 'complete'")[0][0]
+            catalogued = query(url, "SELECT count(*) FROM shards")[0][0]
+            return (states and not states & {"pending"} and not unverified and catalogued == on_disk
+                    and _answer_or_none(url) is not None)
+        wait_for(settled, 30, what="steps settled")
+        answer = _resume(url, "job")
+    finally:
+        d.stop()
+    assert (answer["global_step"], answer["mindformers"]["loadable_by_mindformers"]) == (want_step, want_loadable)
+    assert {e["rank"] for e in answer["shards"]} == set(range(job.world))
+
+
+def _answer_or_none(url: str) -> dict | None:
+    try:
+        return _resume(url, "job")
+    except NoRestorableStepError:
+        return None

@@ -12,8 +12,24 @@ class _Out(BaseModel):
 
 
 class ShardRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     rank: int
     path: str
+
+
+class SubsetShardRef(ShardRef):
+    """A rank of a step that is whole only as the union of its files (remove_redundancy, dying-gasp saves)."""
+
+    own_file: bool = Field(description="false when the rank has no file of its own: ``path`` is a replica's")
+    load_from: list[str] = Field(description="every file holding the rank's slices")
+
+
+class MindFormersResume(BaseModel):
+    load_checkpoint: str = Field(description="MindFormers' load_checkpoint: the directory holding rank_<r>/")
+    resume_training: str | None = Field(description="MindFormers' resume_training: the file name (rank 0's; "
+                                                    "MindFormers substitutes each rank's _rank_<r>)")
+    loadable_by_mindformers: bool = Field(description="every rank has a file of its own (else load per shards[].load_from)")
+    remove_redundancy: bool = Field(description="each rank's file holds only its share: load with remove_redundancy=True")
 
 
 class Skipped(BaseModel):
@@ -36,12 +52,17 @@ class ResumeAnswer(BaseModel):
     global_step: int | None
     name_step: int = Field(description="the step in the shard file names")
     prefix: str
+    incarnation: int | None = Field(description="which restart into the run's directory wrote it (MindSpore's _k "
+                                                "prefix suffix); null when the file names do not say")
+    layout: str = Field(description="native (<run>/rank_<r>/) or mindformers (<run>/checkpoint/rank_<r>/)")
     world_size: int | None
     strategy_file: str | None
     strategy_hash: str | None
-    shards: list[ShardRef] = Field(description="one verified shard per rank")
+    shards: list[ShardRef | SubsetShardRef] = Field(description="the file each rank loads (one verified shard per rank)")
     skipped: list[Skipped] = Field(description="newer steps that were passed over, newest first, with why")
     conversion: ConversionInfo | None = Field(description="set when a target world size was asked and differs")
+    mindformers: MindFormersResume | None = Field(description="MindFormers runs: what its own resume needs to load "
+                                                              "exactly this step")
 
 
 class HealthReport(BaseModel):
@@ -72,6 +93,7 @@ class GcRequest(BaseModel):
 class RunOut(_Out):
     name: str
     path: str
+    layout: str | None = None
     world_size: int | None
     steps: dict[str, int]
     latest_restorable_step: int | None
@@ -80,6 +102,7 @@ class RunOut(_Out):
 class StepOut(_Out):
     step: int
     epoch: int
+    incarnation: int | None = None
     kind: str
     global_step: int | None
     state: str

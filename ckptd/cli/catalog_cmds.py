@@ -180,7 +180,18 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise
     lines = [f"resume run {doc['run']} at step {doc['step']} (epoch {doc['epoch']}, {len(doc['shards'])} shards)",
              f"strategy: {doc['strategy_file'] or '-'}"]
-    lines += [f"  rank {x['rank']}: {x['path']}" for x in doc["shards"]]
+    if doc.get("incarnation"):
+        lines.append(f"incarnation: {doc['incarnation']} (restart {doc['incarnation']} into the same directory)")
+    lines += [f"  rank {x['rank']}: {x['path']}" + ("" if x.get("own_file", True) else " (replica: no file of its own)")
+              + (f" + {len(x['load_from']) - 1} more file(s)" if len(x.get("load_from", ())) > 1 else "")
+              for x in doc["shards"]]
+    mf = doc.get("mindformers")
+    if mf:
+        lines += [f"mindformers: load_checkpoint: {mf['load_checkpoint']}",
+                  f"mindformers: resume_training: {mf['resume_training']}"]
+        if not mf["loadable_by_mindformers"]:
+            lines.append("mindformers: some ranks have no file of their own: MindFormers' loader cannot load this "
+                         "step as is; load each rank from shards[].load_from (--json)")
     lines += [f"skipped step {x['step']}: {x['reason']}" for x in doc["skipped"]]
     if doc["conversion"]:
         lines.append(f"conversion needed: world size {doc['conversion']['from_world_size']} -> {doc['conversion']['to_world_size']}")

@@ -10,7 +10,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile
@@ -44,10 +44,14 @@ def get_run(s: Session, name: str) -> Run:
 
 
 def get_step(s: Session, run: Run, step: int, kind: str = "trained") -> Checkpoint:
+    """A step by its training step: the global step its files record, or — not verified yet —
+    the step in its file names (MindFormers names count within the epoch). Of two saves of one
+    step (two incarnations after a restart) the newer is meant."""
     rows = s.execute(
         select(Checkpoint)
-        .where(Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.kind == kind)
-        .order_by(Checkpoint.epoch.desc())
+        .where(Checkpoint.run_id == run.id, Checkpoint.kind == kind,
+               or_(Checkpoint.global_step == step, and_(Checkpoint.global_step.is_(None), Checkpoint.step == step)))
+        .order_by(Checkpoint.global_step.is_(None), Checkpoint.epoch.desc(), Checkpoint.incarnation.desc())
     ).scalars().all()
     if not rows:
         raise NotFoundError(f"run {run.name!r} has no {kind} checkpoint at step {step}")
@@ -67,6 +71,7 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
     return {
         "name": run.name,
         "path": run.path,
+        "layout": run.layout or "native",
         "world_size": run.world_size,
         "steps": counts,
         "latest_restorable_step": latest[0] if latest else None,
@@ -83,6 +88,7 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
     out: dict[str, Any] = {
         "step": c.step,
         "epoch": c.epoch,
+        "incarnation": c.incarnation,
         "prefix": c.prefix,
         "kind": c.kind,
         "global_step": c.global_step,
@@ -90,6 +96,7 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
         "restorable": c.state == StepState.VERIFIED.value and not c.marked_bad,
         "expected_ranks": c.expected_ranks,
         "reason": c.reason,
+        "health_reason": c.health_reason,
         "marked_bad": c.marked_bad,
         "bad_reason": c.bad_reason,
         "pinned": c.pinned,
