@@ -270,3 +270,93 @@ def _answer_or_none(url: str) -> dict | None:
         return _resume(url, "job")
     except NoRestorableStepError:
         return None
+
+
+def test_serve_answers_a_tp2_pp2_mindformers_run_and_picks_up_a_live_save(ms, root, tmp_path, catalog_url):
+    """``ckptd serve`` as its own process over real HTTP: the newest whole step, torn and incomplete
+    steps skipped with reasons, then a save written while it runs answered within seconds."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.api_helpers import free_port
+
+    job = MFJob(root / "job", tp=2, dp=1, pp=2)
+    job.strategy_files()
+    job.save(10), job.save(20), job.save(30)
+    tear(job.path(2, 30))
+    job.save(40, ranks=[0, 1, 3])
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="30")  # events, not rescans, must find the live save
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", catalog_url,
+                             "--port", str(port)], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    try:
+        def answer(step: int):
+            if proc.poll() is not None:
+                raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                r = client.get("/v1/runs/job/resume", params={"lease": "false"})
+            except httpx.TransportError:
+                return None
+            return r.json() if r.status_code == 200 and r.json()["global_step"] == step else None
+
+        body = wait_for(lambda: answer(20), 60, interval=0.2, what="step 20 answered")
+        reasons = {s["step"]: s["reason"] for s in body["skipped"]}
+        assert reasons[40].startswith("incomplete") and "rank 2" in reasons[30]
+        assert body["mindformers"] == {"load_checkpoint": str(root / "job" / "checkpoint"),
+                                       "resume_training": job.file_name(0, 20), "loadable_by_mindformers": True,
+                                       "remove_redundancy": False}
+        t0 = time.monotonic()
+        job.save(50)
+        wait_for(lambda: answer(50), 30, interval=0.1, what="the live save answered")
+        picked_up = time.monotonic() - t0
+        assert picked_up < 30  # reported, not a performance bound: the rescan interval alone is 30 s
+        print(f"live save of 4 ranks answered {picked_up:.2f} s after it was written")
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_gc_and_conversion_from_the_catalog_on_a_mindformers_run(ms, root, catalog_url):
+    from ckptd.policy import RetentionPolicy
+    from ckptd.service.conversions import convert_step
+    from ckptd.service.retention import gc
+
+    job = MFJob(root / "job", tp=2, dp=1, pp=2)
+    job.strategy_files()
+    for step in (10, 20, 30):
+        job.save(step)
+    d = _settle(root, catalog_url, "job", {(1, s, 0): "verified" for s in (10, 20, 30)})
+    try:
+        report = gc(d.sessions, str(root), RetentionPolicy(keep_last=2), run_name="job").to_dict()
+        assert not any(job.path(r, 10).exists() for r in range(4))  # the oldest step's files, every rank
+        assert all(job.path(r, 20).exists() and job.path(r, 30).exists() for r in range(4))
+        assert [p for p in report["runs"] if p["run"] == "job"]
+        assert (root / "job" / "strategy").is_dir() and job.meta_path(0).exists()  # only shards are ckptd's to delete
+        from ckptd.format.strategy import save_strategy
+
+        target = root / "job" / "targets" / "tp2.ckpt"  # one stage, tp=2: what the job would run on 2 ranks
+        target.parent.mkdir()
+        save_strategy(MFJob(root / "elsewhere", tp=2, dp=1, pp=1).strategy(0), target)
+        convert_step(d.sessions, str(root), "job", 30, to_strategy=str(target))  # the merged stage files are the source
+        answer = _resume(catalog_url, "job", world_size=2)
+        existing = answer["conversion"]["existing"]
+        assert answer["global_step"] == 30 and existing is not None and len(existing["shards"]) == 2
+        import numpy as np
+
+        from ckptd.format.checkpoint import open_checkpoint
+
+        full = job.full_tensors(30)
+        for name in ("model.tok_embeddings.embedding_weight", "model.layers.1.attention.wq.weight",
+                     "lm_head.weight", "adam_m.model.layers.0.attention.wq.weight"):  # both stages, moments too
+            parts = []
+            for shard in sorted(existing["shards"], key=lambda x: x["rank"]):
+                with open_checkpoint(shard["path"]) as ck:
+                    parts.append(ck.array(name).copy())
+            assert np.array_equal(np.concatenate(parts, axis=0), full[name]), name
+    finally:
+        d.stop()
