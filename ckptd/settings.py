@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +66,18 @@ class Settings(BaseSettings):
     gc_keep_last: int | None = Field(default=None, ge=1, description="background retention: keep N restorable steps")
     gc_keep_every: int | None = Field(default=None, ge=1)
     gc_interval: float = Field(default=300.0, gt=0)
+    node_name: str = Field(
+        default_factory=lambda: socket.gethostname() or "localhost", min_length=1, max_length=255,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="this daemon's node (default: the host name); it owns the files it sees, see docs/ARCHITECTURE.md",
+    )
+    node_timeout: float = Field(
+        default=120.0, gt=0, description="a node whose daemon sent no heartbeat for this long is 'unreachable' (s)",
+    )
+    heartbeat_interval: float = Field(default=10.0, gt=0, description="how often this daemon renews its heartbeat (s)")
+    worker_stall_seconds: float = Field(
+        default=300.0, gt=0, description="/healthz is unhealthy when a busy worker made no progress for this long (s)",
+    )
     scrub_interval: float = Field(
         default=0.0, ge=0,
         description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",
