@@ -15,6 +15,12 @@
    another order). The 2-rank job saves step 30 again: ckptd re-binds the step to the new layout
    and judges that save alone (verified); ranks 2-3's old files (one of them the bit flipped in
    part 4) stay on disk as superseded history instead of keeping the step corrupt.
+6. The same kind of job as MindFormers 2.1.0 writes it (`--layout mindformers`, a second, shorter
+   2-rank run): `checkpoint/rank_<r>/llama_rank_<r>-<epoch>_<step in epoch>.ckpt`, a lagging
+   `meta.json` per rank, `strategy/ckpt_strategy_rank_<r>.ckpt`. A rank is killed; the launcher
+   resumes from ckptd's answer (GET /v1/runs/llama-mf/resume names every rank's MindFormers shard)
+   and the restart into the same directory writes MindFormers' next-incarnation `..._rank_<r>_1-...`
+   files, the recomputed steps bit for bit.
 Everything lands in ./demo-out (recreated on each run).
 """
 
@@ -44,6 +50,11 @@ FAULT_RANK, FAULT_STEP = 2, 23  # rank 2 is SIGKILLed at the start of step 23 (l
 ELASTIC_TP, ELASTIC_DP, ELASTIC_STEPS = 2, 1, 35  # part 5: continue on 2 ranks to step 35
 TOTAL_STEPS = ELASTIC_STEPS  # one lr schedule for both jobs, so part 5 continues the same training
 MICRO_BATCH = 2  # per dp rank: the global batch is MICRO_BATCH * DP sequences in every layout
+# part 6: a MindFormers-layout job (its output_dir is RUN_MF_DIR); epochs of MF_SPE steps name the files
+RUN_MF = "llama-mf"
+RUN_MF_DIR = ROOT / RUN_MF
+MF_TP, MF_DP, MF_STEPS, MF_SAVE_EVERY, MF_SPE = 2, 1, 12, 4, 8
+MF_FAULT_RANK, MF_FAULT_STEP = 1, 11  # last save before the kill: global step 8 = epoch 1, step 8
 #: losses of one step computed in two layouts agree to float rounding (the all-reduces sum in another order)
 LAYOUT_TOLERANCE = 1e-5
 MODEL = ["--hidden", "64", "--heads", "4", "--ffn", "128", "--layers", "2", "--seq", "32",
@@ -280,6 +291,9 @@ def main() -> int:
         rc = elastic_restart(url, env, curve.seen)
         if rc != 0:
             return rc
+        rc = mindformers_run(url, env)
+        if rc != 0:
+            return rc
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -352,6 +366,74 @@ def resaved_step(url: str, env: dict[str, str], world: int) -> int:
     ckptd("ls", RUN, env=env)
     if doc.get("state") != "verified" or ranks != list(range(world)) or not history:
         return fail(f"step {STEPS} should be the verified {world}-rank save, the old ranks superseded")
+    return 0
+
+
+def mf_epoch_step(step: int) -> tuple[int, int]:
+    """MindSpore's (epoch, step in epoch) of a global step in MF_SPE-step epochs."""
+    return (step - 1) // MF_SPE + 1, (step - 1) % MF_SPE + 1
+
+
+def mindformers_run(url: str, env: dict[str, str]) -> int:
+    """Part 6: a job in MindFormers' legacy layout loses a rank and resumes from ckptd's answer."""
+    world = MF_TP * MF_DP
+    banner(f"6. The same kind of job as MindFormers 2.1.0 writes it (--layout mindformers, tp={MF_TP} x dp={MF_DP}); "
+           f"rank {MF_FAULT_RANK} will be killed at step {MF_FAULT_STEP}")
+    cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(RUN_MF_DIR), "--layout", "mindformers",
+           "--tp", str(MF_TP), "--dp", str(MF_DP), "--ckptd-url", url, "--backoff", "0.5", "--max-restarts", "1",
+           "--settle-timeout", "20", "--fault", f"kill:{MF_FAULT_RANK}:{MF_FAULT_STEP}",
+           "--", "--steps", str(MF_STEPS), "--save-every", str(MF_SAVE_EVERY), "--steps-per-epoch", str(MF_SPE),
+           "--micro-batch", str(MICRO_BATCH * DP // MF_DP), *MODEL]
+    say(f"$ python -m trainer.launch --run-dir {RUN_MF_DIR} --layout mindformers --tp {MF_TP} --dp {MF_DP} "
+        f"--ckptd-url {url} \\\n      --fault kill:{MF_FAULT_RANK}:{MF_FAULT_STEP} -- --steps {MF_STEPS} "
+        f"--save-every {MF_SAVE_EVERY} --steps-per-epoch {MF_SPE} ...")
+    say(f"{DIM}  (--run-dir is MindFormers' output_dir; files are named by epoch and step within the epoch, "
+        f"{MF_SPE} steps per epoch){OFF}")
+    curve = LossCurve(RUN_MF_DIR / "metrics.jsonl")
+    rc, decisions = run_launcher(cmd, env, curve)
+    if rc != 0:
+        return fail(f"the MindFormers-layout job's launcher exited {rc}; see {RUN_MF_DIR / 'launcher.log'}")
+    resumed = next((d for d in decisions if "attempt=1 event=resume " in d), None)
+    if resumed is None:
+        return fail("the MindFormers-layout job was not resumed from ckptd's answer "
+                    "(does this ckptd catalogue runs in the MindFormers layout?); see "
+                    f"{RUN_MF_DIR / 'launcher.log'} and {OUT / 'ckptd.log'}")
+    same = sum(ok for _, ok, _ in curve.recomputed)
+    say(f"\n  {len(curve.recomputed)} steps trained again after the resume, {same} of them bit-for-bit identical")
+    if not curve.recomputed or same != len(curve.recomputed):
+        return fail("the steps trained again after the resume should have had bit-for-bit the same loss")
+
+    answer = json.loads((RUN_MF_DIR / "launcher" / "resume_1.json").read_text())
+    resumed_step = (MF_FAULT_STEP - 1) // MF_SAVE_EVERY * MF_SAVE_EVERY
+    epoch, in_epoch = mf_epoch_step(resumed_step)
+    want = [{"rank": r, "path": str(RUN_MF_DIR / "checkpoint" / f"rank_{r}"
+                                     / f"llama_rank_{r}-{epoch}_{in_epoch}.ckpt")}
+            for r in range(world)]
+    say(f"  ckptd's answer (GET /v1/runs/{RUN_MF}/resume, saved as {RUN_MF_DIR / 'launcher' / 'resume_1.json'}):")
+    head = {k: answer.get(k) for k in ("step", "epoch", "name_step", "world_size", "strategy_file")}
+    say(f"    {json.dumps(head)[:-1]},")
+    say(f'     "shards": {json.dumps(answer.get("shards"))}')
+    if answer.get("mindformers") is not None:
+        say(f'     "mindformers": {json.dumps(answer["mindformers"])}  {DIM}(what MindFormers\' own loader takes){OFF}')
+    say("    ...}")
+    if answer.get("step") != resumed_step or sorted(answer.get("shards") or [], key=lambda x: x["rank"]) != want:
+        return fail(f"ckptd should have answered step {resumed_step} with the ranks' MindFormers shards {want}")
+
+    say("\n  what the job left in its output_dir (MindFormers' legacy layout; the restart wrote the next "
+        "incarnation's _1 files):")
+    final_epoch, final_in_epoch = mf_epoch_step(MF_STEPS)
+    for r in range(world):
+        rank_dir = RUN_MF_DIR / "checkpoint" / f"rank_{r}"
+        names = sorted(n for n in os.listdir(rank_dir) if n.endswith(".ckpt"))
+        say(f"    checkpoint/rank_{r}/  {'  '.join(names)}")
+        say(f"    checkpoint/rank_{r}/meta.json  {(rank_dir / 'meta.json').read_text()}  "
+            f"{DIM}(MindFormers' own hint: lags, never names the last async save){OFF}")
+        if f"llama_rank_{r}_1-{final_epoch}_{final_in_epoch}.ckpt" not in names:
+            return fail(f"rank {r}'s restart should have written llama_rank_{r}_1-{final_epoch}_{final_in_epoch}.ckpt")
+    say(f"    strategy/  {'  '.join(sorted(os.listdir(RUN_MF_DIR / 'strategy')))}")
+    wait_until(lambda: get(f"{url}/v1/runs/{RUN_MF}/resume").get("step") == MF_STEPS,
+               f"ckptd to verify step {MF_STEPS} of {RUN_MF}")
+    ckptd("ls", RUN_MF, env=env)
     return 0
 
 

@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 
+from ckptd import runlayout
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: tiny model/schedule shared by every multi-step case (the schedule must not depend on layout)
 TINY = ["--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "2", "--seq", "16", "--warmup", "3"]
@@ -36,10 +38,10 @@ def scan_cmd(run_dir, world: int) -> str:
 
 
 def launch(run_dir, tp: int, dp: int, *train_args: str, launch_args: tuple[str, ...] = (),
-           faults: tuple[str, ...] = ()) -> tuple[int, str]:
+           faults: tuple[str, ...] = (), layout: str = runlayout.NATIVE) -> tuple[int, str]:
     """``python -m trainer.launch`` with the scan_resume stand-in oracle; returns (rc, launcher log lines)."""
     cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(run_dir), "--tp", str(tp), "--dp", str(dp),
-           "--resume-cmd", scan_cmd(run_dir, tp * dp), "--backoff", "0.2", *launch_args]
+           "--layout", layout, "--resume-cmd", scan_cmd(run_dir, tp * dp), "--backoff", "0.2", *launch_args]
     for f in faults:
         cmd += ["--fault", f]
     cmd += ["--", *TINY, *train_args]
@@ -58,8 +60,11 @@ def losses(run_dir) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def shard(run_dir, rank: int, step: int, prefix: str = "llama", epoch: int = 1) -> str:
-    return os.path.join(str(run_dir), f"rank_{rank}", f"{prefix}-{epoch}_{step}.ckpt")
+def shard(run_dir, rank: int, step: int, prefix: str = "llama", epoch: int = 1, layout: str = runlayout.NATIVE,
+          incarnation: int = 0) -> str:
+    """A shard's path (``step`` = the step in the file name; in the mindformers layout the step
+    within ``epoch``, ``incarnation`` the restart suffix ``_k``)."""
+    return runlayout.shard_path(str(run_dir), rank, prefix, epoch, step, layout, incarnation=incarnation)
 
 
 def read(path: str) -> bytes:

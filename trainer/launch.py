@@ -15,6 +15,10 @@ the step to resume was saved in another layout (another world size after a lost 
 tp/dp split of the same world), the job resumes from ckptd's re-sharded copy (see trainer.elastic). Every
 decision is one ``launch:`` log line on stderr and in ``<run-dir>/launcher.log``.
 
+``--layout mindformers`` makes the trainer write MindFormers 2.1.0's legacy layout into ``--run-dir``
+(see trainer.train); nothing else changes: the oracle's answer names every rank's shard, and each
+restart into the directory writes the next incarnation's ``{P}_rank_<r>_<k>-{E}_{S}.ckpt`` files.
+
 msrun quirk: after all workers exit cleanly, MindSpore's CPU scheduler still waits ~30 s for
 heartbeats and then reports the workers "timed out" (msrun exits 1). The launcher therefore decides
 success from the ranks' exit markers and then stops msrun itself.
@@ -51,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-name", default=None, help="ckptd run name (default: basename of --run-dir)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--layout", choices=("native", "mindformers"), default="native",
+                   help="the trainer's on-disk layout (passed through as trainer.train --layout); mindformers: "
+                        "--run-dir is MindFormers' output_dir, and every restart into it writes the next "
+                        "{P}_rank_<r>_<k> files, as MindFormers does")
     p.add_argument("--ckptd-url", default=os.environ.get("CKPTD_URL"), help="resume oracle + health reports")
     p.add_argument("--resume-cmd", default=None, help="shell command printing a resume answer (instead of HTTP)")
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
@@ -156,7 +164,7 @@ class Job:
                     os.unlink(p)
         msrun = args.msrun or os.path.join(os.path.dirname(sys.executable), "msrun")
         train = ["--run-dir", args.run_dir, "--tp", str(args.tp), "--dp", str(args.dp), "--attempt", str(attempt),
-                 "--heartbeat-dir", hb_dir, "--run-name", args.run_name]
+                 "--heartbeat-dir", hb_dir, "--run-name", args.run_name, "--layout", args.layout]
         if args.ckptd_url:
             train += ["--ckptd-url", args.ckptd_url]
         if resume_file:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from ckptd import runlayout
 
 
 @dataclass(frozen=True)
@@ -117,31 +118,52 @@ def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
 
 # --- waiting for ckptd to catch up with the disk ---------------------------------------------------
 
-_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)\.ckpt$")
 #: a step state that will not change by itself any more (see ckptd/states.py)
 FINAL_STATES = frozenset({"verified", "corrupt", "deleted", "deleting"})
 
 
-def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
-    """(epoch, step) of every save committed on disk by all ranks, newest first.
+def committed_saves(run_dir: str, world: int) -> list[tuple[str, int, int]]:
+    """(prefix, epoch, step) of every save committed on disk by all ranks, newest first -- the step's
+    identity as ckptd catalogues it (:mod:`ckptd.runlayout`: the prefix without the MindFormers rank
+    tag, with its restart suffix ``_k``; epoch and step from the file name). Either layout, detected
+    per run; ``_breakpoint`` files are never trained saves.
 
     A shard is committed once it has its ``.done`` sidecar or MindSpore's final ``chmod 0400`` (done
     right after its tmp -> final rename; a rank killed between that and its sidecar leaves exactly
     this). Only the files' presence and mode: whether they are intact is ckptd's verdict, not ours.
     """
-    seen: dict[tuple[int, int], int] = {}
+    dirs = runlayout.rank_dirs(run_dir)
+    seen: dict[tuple[str, int, int], int] = {}
+    restart: dict[tuple[str, int, int], int] = {}
     for rank in range(world):
-        d = os.path.join(run_dir, f"rank_{rank}")
+        d = dirs.get(rank)
         try:
-            names = set(os.listdir(d))
+            names = set(os.listdir(d)) if d is not None else None
         except OSError:
+            names = None
+        if names is None:
             return []
         for name in names:
-            m = _SHARD.match(name)
-            if m and (name + ".done" in names or _read_only(os.path.join(d, name))):
-                key = (int(m.group("epoch")), int(m.group("step")))
+            parsed = runlayout.parse_shard_name(name, rank)
+            if parsed is None or parsed[3] or parsed[4] != "ckpt":
+                continue
+            if name + runlayout.SIDECAR_SUFFIX in names or _read_only(os.path.join(d, name)):
+                key = (parsed[0], parsed[1], parsed[2])
                 seen[key] = seen.get(key, 0) + 1
-    return sorted((k for k, n in seen.items() if n == world), reverse=True)
+                restart[key] = parsed[5] or 0
+    done = [k for k, n in seen.items() if n == world]
+    # of two restarts' saves of one (epoch, step), the later restart's first
+    return sorted(done, key=lambda k: (k[1], k[2], restart[k]), reverse=True)
+
+
+def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
+    """(epoch, step) of every save committed on disk by all ranks, newest first (see committed_saves;
+    one entry per (epoch, step) even when several restarts saved it)."""
+    out: list[tuple[int, int]] = []
+    for _, epoch, step in committed_saves(run_dir, world):
+        if (epoch, step) not in out:
+            out.append((epoch, step))
+    return out
 
 
 def _read_only(path: str) -> bool:
@@ -182,18 +204,27 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
     base = f"{url.rstrip('/')}/v1/runs/{run}/steps"
     states: dict[tuple[int, int], str] = {}
     while True:
-        candidates = committed_steps(run_dir, world)
+        candidates = committed_saves(run_dir, world)
         try:
             rows = _get_json(f"{base}?limit=1000", timeout=5.0)
-            known = {(int(r["epoch"]), int(r["step"])): str(r["state"]) for r in rows if r.get("kind", "trained") == "trained"}
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+            trained = [r for r in rows if r.get("kind", "trained") == "trained"]
+            known = {(r.get("prefix"), int(r["epoch"]), int(r["step"])): str(r["state"]) for r in trained}
+        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError):
             known = {}  # run not catalogued yet (404), or ckptd briefly unreachable: keep waiting
+        by_name: dict[tuple[int, int], list[str]] = {}
+        for (_, epoch, step), state in known.items():
+            by_name.setdefault((epoch, step), []).append(state)
         states, settled = {}, True
-        for key in candidates:
-            states[key] = known.get(key, "unknown")
-            if states[key] == "verified":
+        for prefix, epoch, step in candidates:
+            state = known.get((prefix, epoch, step))
+            if state is None:  # a row without (or with another spelling of) the prefix: only if unambiguous
+                same = by_name.get((epoch, step), [])
+                state = same[0] if len(same) == 1 else "unknown"
+            states.setdefault((epoch, step), state)
+            if state == "verified":
                 break
-            if states[key] not in FINAL_STATES:
+            if state not in FINAL_STATES:
+                states[(epoch, step)] = state
                 settled = False
                 break
         waited = time.monotonic() - t0

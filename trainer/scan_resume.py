@@ -3,6 +3,13 @@
 ``python -m trainer.scan_resume --run-dir D --world N`` prints ckptd's resume JSON. A shard counts
 only when its ``.done`` sidecar exists and both size and xxh3_128 match (a shard whose writer died
 mid-save has no sidecar). Exit 3 with ``{"detail": {"code": "no_restorable_step"}}`` when none.
+
+Either layout, detected per run (:func:`ckptd.runlayout.detect_layout`): ``rank_<r>/`` or
+MindFormers' ``checkpoint/rank_<r>/``. A step is identified as ckptd does -- (prefix without the rank
+tag, with MindFormers' restart suffix ``_k``; epoch; step in the file name) -- so the saves of two
+restarts never mix; of two complete saves of one (epoch, step) the later restart's wins.
+``step``/``global_step`` in the answer are the training step the shards hold (their ``step_num``;
+the file name's step when a shard cannot be read without a key), ``name_step`` the file name's.
 """
 
 from __future__ import annotations
@@ -10,17 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 import xxhash
 
-_NAME = re.compile(r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)\.ckpt$")
+from ckptd import runlayout
+from trainer.checkpoint import strategy_path
 
 
 def _intact(path: str) -> bool:
     try:
-        with open(path + ".done") as fh:
+        with open(path + runlayout.SIDECAR_SUFFIX) as fh:
             hint = json.load(fh)
         if hint.get("size") != os.path.getsize(path):
             return False
@@ -33,28 +40,50 @@ def _intact(path: str) -> bool:
         return False
 
 
+def _content_step(path: str) -> int | None:
+    """The global step a shard holds (``step_num``), None when unreadable without a key."""
+    from ckptd.errors import CkptdError
+    from ckptd.format.checkpoint import open_checkpoint
+
+    try:
+        with open_checkpoint(path, key=None) as ck:
+            return int(ck.value("step_num"))
+    except (CkptdError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
 def scan(run_dir: str, world: int) -> dict:
-    steps: dict[int, dict[int, str]] = {}
-    epochs: dict[int, int] = {}
+    layout = runlayout.detect_layout(run_dir)
+    dirs = runlayout.rank_dirs(run_dir, layout)
+    # (prefix, epoch, step) -> rank -> path; restart number per identity
+    saves: dict[tuple[str, int, int], dict[int, str]] = {}
+    restart: dict[tuple[str, int, int], int] = {}
     for rank in range(world):
-        d = os.path.join(run_dir, f"rank_{rank}")
-        for name in os.listdir(d) if os.path.isdir(d) else ():
-            m = _NAME.match(name)
-            if m:
-                step = int(m.group("step"))
-                steps.setdefault(step, {})[rank] = os.path.join(d, name)
-                epochs[step] = int(m.group("epoch"))
+        d = dirs.get(rank)
+        for name in os.listdir(d) if d is not None else ():
+            parsed = runlayout.parse_shard_name(name, rank)
+            if parsed is None or parsed[3] or parsed[4] != "ckpt":  # breakpoint / safetensors: not ours
+                continue
+            key = (parsed[0], parsed[1], parsed[2])
+            saves.setdefault(key, {})[rank] = os.path.join(d, name)
+            restart[key] = parsed[5] or 0
+    # MindFormers: the directory of per-rank files (what ckptd catalogues their merge under)
+    strategy = runlayout.rank_strategies_dir(run_dir) if layout == runlayout.MINDFORMERS else strategy_path(run_dir, 0)
     skipped = []
-    for step in sorted(steps, reverse=True):
-        shards = steps[step]
+    for key in sorted(saves, key=lambda k: (k[1], k[2], restart[k]), reverse=True):
+        prefix, epoch, name_step = key
+        shards = saves[key]
         missing = [r for r in range(world) if r not in shards]
         broken = [r for r, p in shards.items() if not _intact(p)]
         if missing or broken:
-            skipped.append({"step": step, "reason": f"incomplete: ranks {sorted(set(missing + broken))} not committed"})
+            bad = sorted(set(missing + broken))
+            skipped.append({"step": name_step, "reason": f"incomplete: ranks {bad} not committed"})
             continue
-        strategy = os.path.join(run_dir, "strategy.ckpt")
-        return {"run": os.path.basename(os.path.abspath(run_dir)), "step": step, "epoch": epochs[step],
-                "global_step": step, "strategy_file": strategy if os.path.exists(strategy) else None,
+        step = _content_step(shards[0])
+        step = name_step if step is None else step
+        return {"run": os.path.basename(os.path.abspath(run_dir)), "step": step, "epoch": epoch,
+                "global_step": step, "name_step": name_step, "prefix": prefix, "world_size": world,
+                "layout": layout, "strategy_file": strategy if os.path.exists(strategy) else None,
                 "shards": [{"rank": r, "path": shards[r]} for r in range(world)], "skipped": skipped}
     return {"detail": {"code": "no_restorable_step", "skipped": skipped}}
 

@@ -3,6 +3,13 @@
 Every rank: build its slices, train with tp/dp collectives, report health (rank 0), heartbeat each
 step, checkpoint every ``--save-every`` steps asynchronously, and on ``--resume-from`` restore its own
 shard exactly (weights, moments, schedule position = step, data position and RNG state).
+
+``--layout`` picks the on-disk layout (trainer.checkpoint): ``native`` (``<run-dir>/rank_<r>/``,
+``<run-dir>/strategy.ckpt``) or ``mindformers`` -- exactly MindFormers 2.1.0's legacy
+``CheckpointMonitor`` with ``--run-dir`` as its output_dir: ``checkpoint/rank_<r>/{P}_rank_<r>[_k]-{E}_{S}.ckpt``
+(``S`` = step within the epoch of ``--steps-per-epoch`` steps; ``_k`` = the k-th restart into the
+directory), a lagging ``meta.json`` per rank and ``strategy/ckpt_strategy_rank_<r>.ckpt``. Resuming
+takes each rank's shard path from the answer's ``shards``, whatever the layout.
 """
 
 from __future__ import annotations
@@ -13,10 +20,20 @@ import os
 import sys
 import time
 
+#: MindFormers-style epoch length by default: so long that every run here is epoch 1 (S = global step)
+DEFAULT_STEPS_PER_EPOCH = 1_000_000
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from ckptd.runlayout import MINDFORMERS, NATIVE  # pure path rules (no numpy: threads are set later)
+
     p = argparse.ArgumentParser(prog="trainer.train", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", required=True, help="<root>/<run>: rank_<r>/ shards and strategy.ckpt go here")
+    p.add_argument("--run-dir", required=True,
+                   help="<root>/<run>: rank_<r>/ shards and strategy.ckpt go here (mindformers: its output_dir)")
+    p.add_argument("--layout", choices=(NATIVE, MINDFORMERS), default=NATIVE,
+                   help="on-disk layout: native, or MindFormers 2.1.0's legacy one (default native)")
+    p.add_argument("--steps-per-epoch", type=int, default=DEFAULT_STEPS_PER_EPOCH,
+                   help="mindformers layout: epoch length naming files {E}_{S} (default: so large that E=1, S=step)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (world = tp * dp)")
     p.add_argument("--steps", type=int, default=50, help="train until this global step")
@@ -25,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (and at the last step); 0 = never")
     p.add_argument("--save-initial", action="store_true", help="also checkpoint step 0 (the initial weights)")
     p.add_argument("--sync-save", action="store_true", help="async_save=False (benchmark baseline)")
-    p.add_argument("--prefix", default="llama", help="checkpoint file prefix")
+    p.add_argument("--prefix", default="llama", help="checkpoint file prefix (mindformers: {prefix}_rank_<r>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -116,14 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.enc_key_file:
         with open(args.enc_key_file, "rb") as fh:
             enc_key = fh.read()
-    writer = CheckpointWriter(args.run_dir, topo, args.prefix, enc_key)
+    writer = CheckpointWriter(args.run_dir, topo, args.prefix, enc_key, args.layout, args.steps_per_epoch,
+                              global_batch_size=args.micro_batch * topo.dp)
     faults = Faults(args.fault, rank, args.attempt == args.fault_attempt, lambda m: _log(rank, m),
                     os.path.join(hb_dir, f"fault_rank_{rank}.json"))
     # one reporter per job: the loss is already reduced over tp/dp, so every rank would send the same
     health = HealthReporter(args.ckptd_url if rank == 0 else None, args.run_name or os.path.basename(os.path.abspath(args.run_dir)),
                             os.environ.get("CKPTD_TOKEN"))
-    if rank == 0:
-        write_strategy(args.run_dir, model.specs, topo)
+    if rank == 0 or args.layout == "mindformers":  # mindformers: every rank its own file
+        write_strategy(args.run_dir, model.specs, topo, args.layout)
 
     def items():
         return [(n, model.params[n]) for n in opt.names] + opt.state_items()
@@ -137,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"resume answer has {len(mine)} shards for rank {rank}")
         targets = dict(items())
         restored = load_shard(mine[0], topo, targets, enc_key)
-        if restored.step != int(answer["step"]):
+        if restored.step != int(answer["step"]):  # the training step ("name_step" is the file name's)
             raise SystemExit(f"{mine[0]} holds step {restored.step}, the answer says {answer['step']}")
         sampler.restore(restored.data_state)
         step = restored.step
@@ -166,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_f = float(loss.asnumpy())
         t1 = time.perf_counter()
         save_s = 0.0
+        writer.step_end()
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             hb.beat(step, "save")
             path = writer.save(items(), step, sampler.epoch, sampler.state(), async_save=not args.sync_save)
