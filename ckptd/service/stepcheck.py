@@ -22,8 +22,11 @@ problem. A slice nobody holds is one; with ranks missing it only means "not (yet
 
 from __future__ import annotations
 
+import base64
 import hashlib
-from dataclasses import dataclass
+import json
+import zlib
+from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 import xxhash
@@ -127,6 +130,112 @@ def check_subset_step(
 
 
 def _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, *, subset: bool) -> StepVerdict:  # noqa: ANN001
+    names = replica_names(strategy, replica_mode, sample, seed)
+    facts = {ref.rank: shard_facts(ref, strategy, key, names, subset=subset, index_cache=index_cache) for ref in shards}
+    return combine(shards, facts, expected_ranks, strategy, names, subset=subset)
+
+
+# --- per-shard facts: what one node finds in one file --------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """What the step check needs from one rank's file, computed by the node that sees it.
+
+    A step whose files live on several nodes is checked by combining every node's facts; no node
+    reads another's files. ``full``: each parameter's full shape as this file implies it;
+    ``missing``: parameters of its stage it does not hold (remove_redundancy subsets);
+    ``digests``: payload digests of the parameters sampled for the replica comparison."""
+
+    rank: int
+    problems: tuple[str, ...] = ()
+    step: int | None = None
+    full: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+    digests: dict[str, str] = field(default_factory=dict)
+    readable: bool = True
+    shapes_ok: bool = True  # the file holds the slices the strategy gives its rank
+
+    def encode(self) -> str:
+        doc = {"rank": self.rank, "problems": list(self.problems), "step": self.step, "missing": list(self.missing),
+               "full": {n: list(v) for n, v in self.full.items()}, "digests": self.digests, "readable": self.readable, "shapes_ok": self.shapes_ok}
+        return base64.b64encode(zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> "ShardFacts":
+        doc = json.loads(zlib.decompress(base64.b64decode(text)))
+        return cls(doc["rank"], tuple(doc["problems"]), doc["step"], {n: tuple(v) for n, v in doc["full"].items()},
+                   tuple(doc["missing"]), dict(doc["digests"]), doc["readable"], doc["shapes_ok"])
+
+
+def replica_names(strategy: Strategy | None, mode: str, sample: int, seed: str) -> tuple[str, ...]:
+    """The parameters whose replicas are compared: all (``full``), or a sample that is
+    deterministic per step and different across steps, so over time every parameter is compared."""
+    if strategy is None or mode == "off":
+        return ()
+    names = sorted({e.name for e in strategy.entries})
+    if mode == "sample" and len(names) > sample:
+        names = sorted(names, key=lambda n: hashlib.blake2b((seed + n).encode(), digest_size=8).digest())[:sample]
+    return tuple(names)
+
+
+def shard_facts(ref: ShardRef, strategy: Strategy | None, key: bytes | None, digest_names: tuple[str, ...] = (), *,
+                subset: bool = False, index_cache: IndexCache | None = None) -> ShardFacts:
+    """Read one rank's file (headers, plus the payloads of ``digest_names``) into its facts."""
+    try:
+        ck = open_checkpoint(ref.path, key, index_cache=index_cache)
+    except CkptdError as err:
+        return ShardFacts(ref.rank, (f"rank {ref.rank}: {err}",), readable=False)
+    with ck:
+        problems: list[str] = []
+        claimed = content_rank(ck)
+        if claimed is not None and claimed != ref.rank:
+            problems.append(f"rank {ref.rank}: the file says it was saved by rank {claimed} (shards swapped or misplaced)")
+        full: dict[str, tuple[int, ...]] = {}
+        missing: list[str] = []
+        shape_problems: list[str] = []
+        if strategy is not None and ref.rank < strategy.world_size:
+            partial = subset and redundancy_removed(ck)
+            shape_problems = _rank_shapes(ref.rank, ck, strategy, partial, full, missing)
+        digests = {n: _payload_digest(ck, n) for n in digest_names if n in ck.entries}
+        return ShardFacts(ref.rank, tuple(problems + shape_problems), content_step(ck), full, tuple(missing), digests,
+                          shapes_ok=not shape_problems)
+
+
+def _rank_shapes(rank: int, ck: CheckpointFile, strategy: Strategy, partial: bool,
+                 full: dict[str, tuple[int, ...]], missing: list[str]) -> list[str]:
+    """Does the file hold exactly the slices the strategy gives ``rank``? Fills ``full`` (the full
+    shape each parameter implies) and ``missing``. ``partial``: a remove_redundancy file may hold
+    a subset of its stage's parameters (coverage is checked across ranks)."""
+    problems: list[str] = []
+    stage, _ = strategy.stage_and_local(rank)
+    for e in strategy.entries:
+        if e.stage != stage:
+            continue
+        ent = ck.entries.get(e.name)
+        if ent is None:
+            missing.append(e.name)
+            if not partial:
+                problems.append(f"rank {rank}: strategy assigns {e.name!r} but the shard does not hold it")
+            continue
+        try:
+            shape = e.tensor_shape or full_shape_from_local(e.layout, ent.shape)
+            want = local_shape(e.layout, shape)
+        except CkptdError as err:
+            problems.append(f"rank {rank}: {e.name!r} {ent.shape}: {err.message}")
+            continue
+        full[e.name] = tuple(shape)
+        if tuple(ent.shape) != tuple(want):
+            problems.append(f"rank {rank}: {e.name!r} has shape {ent.shape}, the strategy's slice is {want}")
+    return problems
+
+
+# --- the step from its shards' facts --------------------------------------------------------------
+
+
+def combine(shards: list[ShardRef], facts: Mapping[int, ShardFacts], expected_ranks: int | None,
+            strategy: Strategy | None, digest_names: tuple[str, ...] = (), *, subset: bool = False) -> StepVerdict:
+    """The verdict on a step from every shard's facts (computed here or by the nodes holding them)."""
     problems: list[str] = []
     by_rank: dict[int, ShardRef] = {}
     for ref in shards:
@@ -142,84 +251,31 @@ def _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, in
             problems.append(f"ranks missing: {missing}")
         if extra:
             problems.append(f"ranks outside the world of {expected_ranks}: {extra}")
-    opened: dict[int, CheckpointFile] = {}
-    try:
-        for rank, ref in sorted(by_rank.items()):
-            try:
-                opened[rank] = open_checkpoint(ref.path, key, index_cache=index_cache)
-            except CkptdError as err:
-                problems.append(f"rank {rank}: {err}")
-        for rank, ck in sorted(opened.items()):
-            claimed = content_rank(ck)
-            if claimed is not None and claimed != rank:
-                problems.append(f"rank {rank}: the file says it was saved by rank {claimed} (shards swapped or misplaced)")
-        steps = {rank: content_step(ck) for rank, ck in opened.items()}
-        if len(set(steps.values())) > 1:
-            problems.append(f"shards disagree on the global step: {dict(sorted(steps.items()))}")
-        if strategy is not None:
-            partial = {rank for rank, ck in opened.items() if subset and redundancy_removed(ck)}
-            shape_problems, full_shapes = _check_shapes(opened, strategy, partial)
-            problems += shape_problems
-            if subset and not shape_problems:
-                uncovered, plan = _coverage(opened, strategy, full_shapes, expected_ranks or strategy.world_size)
-                problems += uncovered
-            if replica_mode != "off":
-                problems += _check_replicas(opened, strategy, replica_mode, sample, seed)
-    finally:
-        for ck in opened.values():
-            ck.close()
+    readable = {r: f for r, f in sorted(facts.items()) if f.readable}
+    for _, f in sorted(facts.items()):
+        problems += f.problems
+    steps = {r: f.step for r, f in readable.items()}
+    if len(set(steps.values())) > 1:
+        problems.append(f"shards disagree on the global step: {dict(sorted(steps.items()))}")
+    if strategy is not None:
+        full_shapes: dict[str, tuple[int, ...]] = {}
+        shapes_ok = all(f.shapes_ok for f in readable.values())
+        for r, f in readable.items():
+            for name, shape in f.full.items():
+                seen = full_shapes.setdefault(name, shape)
+                if seen != shape:
+                    problems.append(f"rank {r}: {name!r} implies full shape {shape}, other ranks {seen}")
+                    shapes_ok = False
+        if subset and shapes_ok:
+            holds = {r: set(f.full) for r, f in readable.items()}
+            uncovered, plan = _coverage(holds, strategy, full_shapes, expected_ranks or strategy.world_size)
+            problems += uncovered
+        problems += _check_replicas(readable, strategy, digest_names, full_shapes)
     return StepVerdict(problems, tuple(missing) if subset else (), plan)
 
 
-def _stage_params(strategy: Strategy, rank: int) -> Mapping[str, object]:
-    stage, _ = strategy.stage_and_local(rank)
-    return {e.name: e for e in strategy.entries if e.stage == stage}
-
-
-def _check_shapes(
-    opened: dict[int, CheckpointFile], strategy: Strategy, partial: set[int] = frozenset()  # type: ignore[assignment]
-) -> tuple[list[str], dict[str, tuple[int, ...]]]:
-    """Shape problems, and each parameter's full shape. ``partial``: ranks whose files may hold
-    a subset of their stage's parameters (remove_redundancy); coverage is checked separately."""
-    problems: list[str] = []
-    full_shapes: dict[str, tuple[int, ...]] = {}
-    stage_params: dict[int, Mapping[str, object]] = {}
-    # ranks of a stage share layouts: the slice math runs once per (parameter, stored shape)
-    shapes: dict[tuple[str, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]] | CkptdError] = {}
-    for rank, ck in sorted(opened.items()):
-        if rank >= strategy.world_size:
-            continue
-        stage, _ = strategy.stage_and_local(rank)
-        if stage not in stage_params:
-            stage_params[stage] = _stage_params(strategy, rank)
-        for name, e in stage_params[stage].items():
-            ent = ck.entries.get(name)
-            if ent is None:
-                if rank not in partial:
-                    problems.append(f"rank {rank}: strategy assigns {name!r} but the shard does not hold it")
-                continue
-            key = (name, stage, tuple(ent.shape))
-            if key not in shapes:
-                try:
-                    full = e.tensor_shape or full_shape_from_local(e.layout, ent.shape)
-                    shapes[key] = (full, local_shape(e.layout, full))
-                except CkptdError as err:
-                    shapes[key] = err
-            found = shapes[key]
-            if isinstance(found, CkptdError):
-                problems.append(f"rank {rank}: {name!r} {ent.shape}: {found.message}")
-                continue
-            full, want = found
-            seen = full_shapes.setdefault(name, full)
-            if seen != full:
-                problems.append(f"rank {rank}: {name!r} implies full shape {full}, other ranks {seen}")
-            elif tuple(ent.shape) != tuple(want):
-                problems.append(f"rank {rank}: {name!r} has shape {ent.shape}, the strategy's slice is {want}")
-    return problems, full_shapes
-
-
 def _coverage(
-    opened: dict[int, CheckpointFile], strategy: Strategy, full_shapes: dict[str, tuple[int, ...]], world: int
+    holds: dict[int, set[str]], strategy: Strategy, full_shapes: dict[str, tuple[int, ...]], world: int
 ) -> tuple[list[str], dict[int, tuple[int, ...]]]:
     """Is every slice of every parameter held by some file? (shapes already checked). Returns
     the uncovered slices and, per rank, the ranks whose files it loads from."""
@@ -236,7 +292,7 @@ def _coverage(
             problems.append(f"{e.name!r}: {err.message}")
             continue
         for group in groups:
-            holders = [r for r in group if r in opened and e.name in opened[r].entries]
+            holders = [r for r in group if e.name in holds.get(r, ())]
             if not holders:
                 problems.append(f"no file holds the slice of {e.name!r} that ranks {list(group)} share")
                 continue
@@ -269,26 +325,19 @@ def _fewest_files(rank: int, needs: list[frozenset[int]]) -> set[int]:
     return chosen
 
 
-def _check_replicas(
-    opened: dict[int, CheckpointFile], strategy: Strategy, mode: str, sample: int, seed: str
-) -> list[str]:
-    names = sorted({e.name for e in strategy.entries})
-    if mode == "sample" and len(names) > sample:
-        # deterministic per step, different across steps: over time every parameter gets compared
-        names = sorted(names, key=lambda n: hashlib.blake2b((seed + n).encode(), digest_size=8).digest())[:sample]
+def _check_replicas(facts: Mapping[int, ShardFacts], strategy: Strategy, names: tuple[str, ...],
+                    full_shapes: dict[str, tuple[int, ...]]) -> list[str]:
     problems: list[str] = []
     for name in names:
-        ck0 = next((ck for ck in opened.values() if name in ck.entries), None)
-        if ck0 is None:
+        full = full_shapes.get(name)
+        if full is None:
             continue
         try:
-            e = strategy.param(name)
-            full = e.tensor_shape or full_shape_from_local(e.layout, ck0.entries[name].shape)
             groups = strategy.replicas(name, full)
         except CkptdError:
-            continue  # shape problems are reported by _check_shapes
+            continue  # shape problems are reported with the shapes
         for group in groups:
-            digests = {r: _payload_digest(opened[r], name) for r in group if r in opened and name in opened[r].entries}
+            digests = {r: facts[r].digests[name] for r in group if r in facts and name in facts[r].digests}
             if len(set(digests.values())) > 1:
                 problems.append(f"replicas of {name!r} differ across ranks {sorted(digests)}")
     return problems
