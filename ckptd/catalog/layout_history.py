@@ -14,7 +14,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile, VerificationEvent
-from ckptd.catalog.repo import _insert_ignore, add_event, for_update, history_rows
+from ckptd.catalog.repo import insert_ignore, add_event, for_update, history_rows
 from ckptd.states import SUPERSEDED_KIND, ShardState, StepState
 
 
@@ -80,7 +80,7 @@ def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: s
     now = datetime.now(timezone.utc)
     key = {"run_id": ckpt.run_id, "prefix": ckpt.prefix, "epoch": ckpt.epoch, "step": ckpt.step,
            "kind": SUPERSEDED_KIND, "layout": old.content_hash}
-    _insert_ignore(session, Checkpoint, key | {
+    insert_ignore(session, Checkpoint, key | {
         "state": StepState.SUPERSEDED.value, "expected_ranks": old.world_size, "strategy_id": old.id,
         "global_step": ckpt.global_step, "reason": reason, "pinned": False, "marked_bad": False,
         "created_at": now, "updated_at": now,

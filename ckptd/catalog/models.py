@@ -138,7 +138,26 @@ class Shard(Base):
     # verification may store its result, so a slow, older read never overwrites a newer verdict
     verify_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # the node whose daemon sees the file (docs/ARCHITECTURE.md, Nodes): only it judges the file.
+    # NULL on rows from before migration 0006: claimed by the first node whose rescan sees the file.
+    node: Mapped[str | None] = mapped_column(String(255), index=True)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))  # the node verifying it right now
+    # what the step check found in this file (JSON, ckptd.service.stepcheck.ShardFacts), keyed by
+    # the verification and the layout it was checked against
+    facts: Mapped[str | None] = mapped_column(Text)
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="shards")
+
+
+class Node(Base):
+    """A daemon's node: it owns the files it sees; silent past ``node_timeout`` = unreachable."""
+
+    __tablename__ = "nodes"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    root: Mapped[str | None] = mapped_column(Text)
 
 
 class VerificationEvent(Base):

@@ -20,6 +20,7 @@ from sqlalchemy import (
     distinct,
     func,
     insert,
+    or_,
     select,
     text,
     update,
@@ -32,7 +33,7 @@ from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, Verificat
 from ckptd.states import SUPERSEDED_KIND, ShardState, StepState, allows_subset, step_state_from
 
 
-def _insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
+def insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
     """Insert unless the unique key exists; True when this call inserted the row."""
     dialect = session.get_bind().dialect.name
     mod = postgresql if dialect == "postgresql" else sqlite
@@ -60,7 +61,7 @@ def for_update(stmt: Select, session: Session) -> Select:
 
 
 def get_or_create_run(session: Session, name: str, path: str) -> Run:
-    _insert_ignore(session, Run, {"name": name, "path": path, "created_at": datetime.now(timezone.utc)}, ["name"])
+    insert_ignore(session, Run, {"name": name, "path": path, "created_at": datetime.now(timezone.utc)}, ["name"])
     return session.execute(select(Run).where(Run.name == name)).scalar_one()
 
 
@@ -68,7 +69,7 @@ def get_or_create_checkpoint(
     session: Session, run: Run, prefix: str, epoch: int, step: int, kind: str, expected_ranks: int | None
 ) -> Checkpoint:
     now = datetime.now(timezone.utc)
-    _insert_ignore(
+    insert_ignore(
         session,
         Checkpoint,
         {
@@ -127,8 +128,34 @@ class Registered:
 _ROWS_PER_SELECT = 500  # well under SQLite's bound-parameter limit
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Who may judge a file (docs/ARCHITECTURE.md, *Nodes*): ``node`` is this daemon's node;
+    ``dead`` the nodes unreachable now, whose files this node takes over when it sees them;
+    ``sole``: no other node ever registered, so rows without a node (from before migration
+    0006) are this node's."""
+
+    node: str
+    dead: frozenset[str] = frozenset()
+    sole: bool = True
+
+    def owns(self, row_node: str | None) -> bool:
+        return row_node == self.node or (row_node is None and self.sole)
+
+    def may_take(self, row_node: str | None) -> bool:
+        """A file this node sees whose row it may claim: unowned, or its owner is unreachable."""
+        return row_node is None or row_node == self.node or row_node in self.dead
+
+    def owned_clause(self):  # noqa: ANN201 - a SQLAlchemy clause
+        return or_(Shard.node == self.node, Shard.node.is_(None)) if self.sole else Shard.node == self.node
+
+
+LOCAL = Owner("localhost")  # one daemon, one node: what tools without a daemon (tests, the CLI's gc) default to
+
+
 def register_shards(
-    session: Session, ckpt: Checkpoint, files: list[ShardFile], layout_now: tuple[int, int] | None = None
+    session: Session, ckpt: Checkpoint, files: list[ShardFile], layout_now: tuple[int, int] | None = None,
+    owner: Owner = LOCAL,
 ) -> list[Registered]:
     """Insert the rows of new shard files of one checkpoint (caller holds its lock) in multi-row
     ``INSERT … ON CONFLICT DO NOTHING RETURNING`` statements; paths already catalogued are
@@ -144,7 +171,7 @@ def register_shards(
         {
             "checkpoint_id": ckpt.id, "rank": f.rank, "path": f.path, "size": f.stat.size, "mtime_ns": f.stat.mtime_ns,
             "inode": f.stat.inode, "state": ShardState.COMPLETE.value, "format": f.format, "quarantined": False,
-            "verify_seq": 0, "seen_at": now,
+            "verify_seq": 0, "seen_at": now, "node": owner.node,
         }
         for f in files
     ]
@@ -168,6 +195,12 @@ def register_shards(
             continue
         shard = existing[f.path]
         st = f.stat
+        if not owner.may_take(shard.node):
+            # another live node's file (a shared filesystem shows it to us too): only it judges it
+            out.append(Registered(shard.id, shard.state, False))
+            continue
+        if shard.node != owner.node:  # unclaimed (pre-0006) or its node is unreachable: ours now
+            session.execute(update(Shard).where(Shard.id == shard.id).values(node=owner.node))
         changed = (shard.size, shard.mtime_ns, shard.inode) != (st.size, st.mtime_ns, st.inode)
         if (changed and shard.state == ShardState.SUPERSEDED.value and layout_now is not None
                 and not (f.rank < layout_now[0] and st.mtime_ns >= layout_now[1])):
@@ -207,11 +240,23 @@ def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
     return list(session.execute(for_update(q, session)).scalars())
 
 
-def claim_verifications(session: Session, shard_ids: list[int]) -> dict[int, int]:
-    """Start verifications: bump each shard's sequence number and return it (see
-    ``record_verification``). Callers claim the shards of one checkpoint under its lock."""
-    session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(verify_seq=Shard.verify_seq + 1))
-    return dict(session.execute(select(Shard.id, Shard.verify_seq).where(Shard.id.in_(shard_ids))).all())
+def claim_verifications(session: Session, shard_ids: list[int], owner: Owner = LOCAL) -> dict[int, int]:
+    """Start verifications: claim each shard for this node and bump its sequence number (see
+    ``record_verification``); returns the sequence numbers of the shards claimed. A shard another
+    live node is verifying is not claimed (several daemons on one shared root verify each shard
+    once); a claim of an unreachable node is taken over. Callers claim the shards of one
+    checkpoint under its lock, which serializes claims the way ``SKIP LOCKED`` would."""
+    free = or_(Shard.claimed_by.is_(None), Shard.claimed_by == owner.node, Shard.claimed_by.in_(sorted(owner.dead)))
+    session.execute(update(Shard).where(Shard.id.in_(shard_ids), free)
+                    .values(verify_seq=Shard.verify_seq + 1, claimed_by=owner.node))
+    return dict(session.execute(select(Shard.id, Shard.verify_seq).where(
+        Shard.id.in_(shard_ids), Shard.claimed_by == owner.node)).all())
+
+
+def release_claims(session: Session, shard_ids: list[int], owner: Owner = LOCAL) -> None:
+    if shard_ids:
+        session.execute(update(Shard).where(Shard.id.in_(shard_ids), Shard.claimed_by == owner.node)
+                        .values(claimed_by=None))
 
 
 def record_verification(
@@ -232,7 +277,8 @@ def record_verification(
     res = session.execute(
         update(Shard)
         .where(*cond)
-        .values(state=state.value, verified_at=datetime.now(timezone.utc), quarantined=state == ShardState.CORRUPT, **values)
+        .values(state=state.value, verified_at=datetime.now(timezone.utc), quarantined=state == ShardState.CORRUPT,
+                claimed_by=None, **values)
     )
     if res.rowcount:
         if ckpt_id is None:
@@ -266,7 +312,7 @@ def _store_verdicts_sql(rows_source: str, columns: str = "") -> TextClause:
     and constant SQL text (a VALUES list of N rows would be compiled anew for every batch size,
     which costs more than the round trips it saves). Only how the rows arrive differs by dialect."""
     return text(
-        "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), "
+        "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), claimed_by = NULL, "
         + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
         + f" FROM {rows_source} AS v{columns}"
         " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
@@ -377,7 +423,7 @@ def upsert_strategy(
 ) -> StrategyFile:
     """The row for this (path, content); a changed file gets a new row, old steps keep theirs.
     ``mtime_ns``: the file's mtime as read now, stored when the content is new at this path."""
-    _insert_ignore(
+    insert_ignore(
         session,
         StrategyFile,
         {

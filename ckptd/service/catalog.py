@@ -14,7 +14,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile
-from ckptd.catalog.repo import _insert_ignore
+from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
 from ckptd.states import StepState
 
@@ -183,7 +183,7 @@ def report_health(s: Session, run_name: str, step: int, loss: float | None, grad
         "grad_norm": _finite(grad_norm), "grad_norm_nonfinite": _nonfinite(grad_norm),
         "overflow": overflow, "reported_at": datetime.now(timezone.utc),
     }
-    inserted = _insert_ignore(s, StepHealth, {"run_id": run.id, "step": step, **values}, ["run_id", "step"])
+    inserted = insert_ignore(s, StepHealth, {"run_id": run.id, "step": step, **values}, ["run_id", "step"])
     if not inserted:
         row = s.execute(select(StepHealth).where(StepHealth.run_id == run.id, StepHealth.step == step)).scalar_one()
         for k, v in values.items():

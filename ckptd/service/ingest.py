@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 from ckptd import runlayout
 from ckptd.catalog import layout_history, repo
+from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
@@ -54,6 +55,7 @@ class Ingestor:
         submit: Callable[[list[int]], None],
         submit_step: Callable[[int], None],
         index_cache: IndexCache | None = None,
+        nodes: NodeView | None = None,
     ) -> None:
         self.root = str(settings.root)
         self.real_root = os.path.realpath(self.root)  # once: resolving it per shard was half of ingest's realpath calls
@@ -63,6 +65,8 @@ class Ingestor:
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
         self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
+        # only the node that sees a file judges it (docs/ARCHITECTURE.md, Nodes)
+        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
 
     # --- entry points --------------------------------------------------------------------------
 
@@ -74,6 +78,8 @@ class Ingestor:
         seen: set[str] = set()
         todo: list[str] = []
         requeue: list[int] = []
+        claim: list[str] = []  # files we see whose rows have no node, or an unreachable one
+        owner = self.nodes.owner()
         known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -90,6 +96,9 @@ class Ingestor:
                         if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
                             report.shards_seen += 1
                             seen.add(entry.path)
+                            row = known.get(entry.path)
+                            if row is not None and row[5] != owner.node and owner.may_take(row[5]):
+                                claim.append(entry.path)
                             state = self._unchanged(entry, known)
                             if state is None:
                                 todo.append(entry.path)
@@ -103,7 +112,8 @@ class Ingestor:
             self.submit(requeue)  # the verifier ignores ids it already has queued or in hand
         for ckpt_id in self._steps_awaiting_checks(runs):
             self.submit_step(ckpt_id)  # shards all verified, step checks never ran (e.g. a crash)
-        report.shards_deleted = self._reconcile_deleted(seen)
+        self._claim_seen(claim, owner)
+        report.shards_deleted = self._reconcile_deleted(seen, owner)
         return report
 
     def _steps_awaiting_checks(self, runs: list[str]) -> list[int]:
@@ -123,23 +133,23 @@ class Ingestor:
             elif outcome == "unsettled":
                 report.unsettled.append(path)
 
-    def _known_stats(self) -> dict[str, tuple[int, int, int, int, str]]:
-        """(size, mtime_ns, inode, id, state) of every catalogued shard under the root that
+    def _known_stats(self) -> dict[str, tuple[int, int, int, int, str, str | None]]:
+        """(size, mtime_ns, inode, id, state, node) of every catalogued shard under the root that
         needs no new examination while its file is unchanged: settled (verified/corrupt/
         superseded) ones, and complete ones (they parsed at ingest and only wait for verification)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             rows = s.execute(
-                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state).where(
+                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state, Shard.node).where(
                     Shard.path.startswith(prefix, autoescape=True),
                     Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value,
                                      ShardState.SUPERSEDED.value)),
                 )
             ).all()
-        return {p: (size, mtime, inode, sid, state) for p, size, mtime, inode, sid, state in rows}
+        return {p: (size, mtime, inode, sid, state, node) for p, size, mtime, inode, sid, state, node in rows}
 
     @staticmethod
-    def _unchanged(entry: os.DirEntry, known: dict[str, tuple[int, int, int, int, str]]) -> tuple[int, str] | None:
+    def _unchanged(entry: os.DirEntry, known: dict[str, tuple]) -> tuple[int, str] | None:
         """(id, state) of the catalogued row if the file is the one catalogued, else None."""
         row = known.get(entry.path)
         if row is None:
@@ -250,7 +260,7 @@ class Ingestor:
             elif ckpt.expected_ranks is None and expected is not None:
                 ckpt.expected_ranks = expected
             layout_now = (strategy.world_size, layout_history.appeared_ns(strategy.mtime_ns, strategy.seen_at)) if strategy else None
-            registered = repo.register_shards(s, ckpt, [f for _, f, _ in files], layout_now)
+            registered = repo.register_shards(s, ckpt, [f for _, f, _ in files], layout_now, self.nodes.owner())
             superseded: frozenset = frozenset()
             if strategy is not None and ckpt.strategy_id not in (None, strategy.id):
                 resave = self._follow_layout_change(s, ckpt)  # None unless the step was re-saved under a newer layout
@@ -347,11 +357,13 @@ class Ingestor:
                 rows = s.execute(select(Shard.path, Shard.checkpoint_id).where(Shard.path.in_(paths[i : i + _BATCH]))).all()
                 for path, ckpt_id in rows:
                     by_ckpt.setdefault(ckpt_id, []).append(path)
+        owner = self.nodes.owner()
         for ckpt_id in sorted(by_ckpt):
             with self.sessions.begin() as s:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-                gone = s.execute(select(Shard).where(
-                    Shard.path.in_(by_ckpt[ckpt_id]), Shard.state != ShardState.DELETED.value)).scalars().all()
+                gone = [sh for sh in s.execute(select(Shard).where(
+                    Shard.path.in_(by_ckpt[ckpt_id]), Shard.state != ShardState.DELETED.value)).scalars()
+                    if owner.may_take(sh.node)]  # another live node's file is not gone because we lack it
                 for shard in gone:
                     repo.mark_deleted(s, shard)
                     out[shard.path] = "deleted"
@@ -359,14 +371,26 @@ class Ingestor:
                     repo.recompute_step_state(s, ckpt)
         return out
 
-    def _reconcile_deleted(self, seen: set[str]) -> int:
+    def _reconcile_deleted(self, seen: set[str], owner: repo.Owner) -> int:
+        """This node's shards whose files are gone. Rows of other nodes are never judged here: on
+        a node-local disk their files are simply not ours to see (they keep their last verdict)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             known = s.execute(
-                select(Shard.path).where(Shard.state != ShardState.DELETED.value, Shard.path.startswith(prefix, autoescape=True))
+                select(Shard.path).where(Shard.state != ShardState.DELETED.value, Shard.path.startswith(prefix, autoescape=True),
+                                         owner.owned_clause())
             ).scalars().all()
         gone = [p for p in known if p not in seen and not os.path.exists(p)]
         return sum(outcome == "deleted" for outcome in self._vanished_many(gone).values())
+
+    def _claim_seen(self, paths: list[str], owner: repo.Owner) -> None:
+        """Files this node sees whose rows have no node (catalogued before migration 0006) or an
+        unreachable one (a shared filesystem outlives its node) are this node's from now on."""
+        for i in range(0, len(paths), _BATCH):
+            with self.sessions.begin() as s:
+                s.execute(update(Shard).where(
+                    Shard.path.in_(paths[i : i + _BATCH]),
+                    or_(Shard.node.is_(None), Shard.node.in_(sorted(owner.dead)))).values(node=owner.node))
 
     # --- strategies ----------------------------------------------------------------------------
 

@@ -21,21 +21,21 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 import xxhash
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
-from ckptd.errors import CkptdError
+from ckptd.catalog.nodes import NodeView
+from ckptd.catalog.models import Shard, StrategyFile
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
-from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
+from ckptd.format.strategy import Strategy
 from ckptd.format.verify import verify_file
-from ckptd import runlayout
 from ckptd.runlayout import sidecar_for
-from ckptd.service.stepcheck import ShardRef, StepVerdict, check_step, check_subset_step, content_step
+from ckptd.service.stepcheck import content_step
+from ckptd.service.stepjudge import StepJudge
 from ckptd.settings import Settings
-from ckptd.states import ShardState, allows_subset
+from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.verifier")
 _DIGEST_CHUNK = 64 << 20
@@ -61,7 +61,6 @@ def file_digest(path: str) -> str:
 
 def read_sidecar(path: str) -> dict[str, object] | None:
     """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present and readable."""
-    import json
 
     try:
         with open(sidecar_for(path), "rb") as fh:
@@ -93,10 +92,14 @@ class _Outcome:
 class Verifier:
     """Call order: ``submit([ids])`` / ``submit_step(id)`` any time → ``drain()`` → ``close()``."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None) -> None:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None,
+                 nodes: NodeView | None = None) -> None:
         self.settings = settings
         self.index_cache = index_cache
         self.sessions = sessions
+        # only the node that sees a file judges it; several nodes on one shared root split the work
+        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
+        self.steps = StepJudge(settings, sessions, settings.encryption_key(), index_cache)
         self.key = settings.encryption_key()
         self._cond = threading.Condition()
         self._pending: dict[int, None] = {}  # shard ids, insertion-ordered (FIFO) and de-duplicated
@@ -106,7 +109,6 @@ class Verifier:
         self._closed = False
         self._checking: set[int] = set()
         self._check_again: set[int] = set()  # asked for while claimed (see _maybe_check_step)
-        self._strategies: dict[tuple[str, str], Strategy] = {}
         self.verified_count = 0
         self.failed_count = 0
         self.verified_bytes = 0
@@ -208,7 +210,7 @@ class Verifier:
             return list(s.execute(
                 select(Shard.id)
                 .where(Shard.state == ShardState.VERIFIED.value, Shard.verified_at < cutoff,
-                       Shard.path.startswith(prefix, autoescape=True))
+                       Shard.path.startswith(prefix, autoescape=True), self.nodes.owner().owned_clause())
                 .order_by(Shard.verified_at)
                 .limit(limit)
             ).scalars())
@@ -240,9 +242,13 @@ class Verifier:
         return result
 
     def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]]) -> dict[int, ShardState | None]:
+        owner = self.nodes.owner()
         with self.sessions.begin() as s:
             repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards])
+            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards], owner)
+            nodes = dict(s.execute(select(Shard.id, Shard.node).where(Shard.id.in_(list(seqs)))).all())
+        skipped = {shard_id for shard_id, _, _ in shards if shard_id not in seqs}  # another live node verifies them
+        shards = [sh for sh in shards if sh[0] in seqs]
         t0 = time.perf_counter()
         outcomes = {shard_id: self._read_shard(path, digest) for shard_id, path, digest in shards}
         t1 = time.perf_counter()
@@ -252,11 +258,15 @@ class Verifier:
             repo.Verdict(shard_id, out.stat, out.state, out.values, seqs.get(shard_id), out.seconds)
             for shard_id, out in outcomes.items() if out.stat is not None and out.state is not None
         ]
-        gone = [shard_id for shard_id, out in outcomes.items() if out.stat is None]
+        missing = [shard_id for shard_id, out in outcomes.items() if out.stat is None]
+        # a file we cannot see is gone only if it is ours; another node's file is its to judge
+        gone = [shard_id for shard_id in missing if owner.owns(nodes.get(shard_id))]
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
                 repo.mark_deleted(s, row)
+            repo.release_claims(s, [sid for sid in missing if sid not in gone]
+                                + [sid for sid, out in outcomes.items() if out.stat is not None and out.state is None], owner)
             stored = repo.record_verifications(s, ckpt_id, verdicts)
             if stored or gone:
                 repo.recompute_step_state(s, ckpt)
@@ -264,6 +274,8 @@ class Verifier:
                   ckpt_id, len(shards), t1 - t0, time.perf_counter() - t1)
         for shard_id in gone:
             result[shard_id] = ShardState.DELETED
+        for shard_id in skipped | (set(missing) - set(gone)):
+            result[shard_id] = ShardState.COMPLETE  # not ours to judge now: no verdict, nothing to retry
         for v in verdicts:
             if v.shard_id not in stored:
                 continue
@@ -314,16 +326,7 @@ class Verifier:
     # --- steps ---------------------------------------------------------------------------------
 
     def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
-        if row is None or row.error:
-            return None
-        key = (row.path, row.content_hash)
-        if key not in self._strategies:
-            try:  # the content as catalogued: the file on disk may describe a newer layout by now
-                self._strategies[key] = (parse_strategy_bytes(row.content, row.path) if row.content is not None
-                                         else load_strategy(row.path))
-            except CkptdError:
-                return None
-        return self._strategies[key]
+        return self.steps.strategy_for(row)
 
     def _maybe_check_step(self, ckpt_id: int) -> None:
         """Run the step checks if they are due, once. The last two shards of a step can finish at
@@ -353,74 +356,8 @@ class Verifier:
             raise
 
     def _step_ready(self, ckpt_id: int) -> bool:
-        """Every expected shard verified and the step checks not run yet (a run allowing subset
-        saves: every shard present verified, and a strategy to tell what they must cover)."""
-        with self.sessions() as s:
-            ckpt = s.get(Checkpoint, ckpt_id)
-            if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
-                return False
-            counts = dict(s.execute(select(Shard.state, func.count()).where(
-                Shard.checkpoint_id == ckpt_id).group_by(Shard.state)).all())
-            if set(counts) != {ShardState.VERIFIED.value}:
-                return False
-            if self._subset(s, ckpt) and ckpt.strategy_id is not None:
-                return True
-            return counts[ShardState.VERIFIED.value] >= ckpt.expected_ranks
-
-    def _unusable_strategy(self, s: Session, ckpt: Checkpoint) -> str | None:
-        """Why the run's per-rank strategy files could not be merged, if that is why the step has
-        no strategy (a MindFormers job always writes them: checking without would prove little)."""
-        run = s.get(Run, ckpt.run_id)
-        if run is None or not run.path or ckpt.kind == "converted":
-            return None
-        return s.execute(select(StrategyFile.error).where(
-            StrategyFile.run_id == run.id, StrategyFile.path == runlayout.rank_strategies_dir(run.path),
-            StrategyFile.error.is_not(None)).order_by(StrategyFile.seen_at.desc()).limit(1)).scalar_one_or_none()
-
-    @staticmethod
-    def _subset(s: Session, ckpt: Checkpoint) -> bool:
-        run = s.get(Run, ckpt.run_id)
-        return ckpt.kind != "converted" and run is not None and allows_subset(run.layout)
+        return self.steps.ready(ckpt_id)
 
     def check_step(self, ckpt_id: int) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification)."""
-        with self.sessions() as s:
-            ckpt = s.get(Checkpoint, ckpt_id)
-            if ckpt is None:
-                return []
-            rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
-                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
-            refs = [ShardRef(r, p) for r, p, *_ in rows]
-            strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
-            expected, seed = ckpt.expected_ranks, f"{ckpt.run_id}:{ckpt.step}:"
-            binding = (ckpt.strategy_id, ckpt.expected_ranks)
-            subset = self._subset(s, ckpt)
-            unusable = self._unusable_strategy(s, ckpt) if ckpt.strategy_id is None else None
-        t0 = time.perf_counter()
-        args = (refs, expected, strategy, self.key, self.settings.replica_check, self.settings.replica_sample, seed)
-        if subset:
-            verdict = check_subset_step(*args, index_cache=self.index_cache)
-        else:
-            verdict = StepVerdict(check_step(*args, index_cache=self.index_cache))
-        problems = verdict.problems + ([f"the run's strategy files are unusable, so the shards cannot be checked "
-                                        f"against their layout: {unusable}"] if unusable else [])
-        with self.sessions.begin() as s:
-            ckpt = repo.lock_checkpoint(s, ckpt_id)
-            now_rows = s.execute(select(Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(
-                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
-            if sorted(map(tuple, now_rows)) != sorted(map(tuple, rows)) or (ckpt.strategy_id, ckpt.expected_ranks) != binding:
-                # shards changed, or the step was re-bound to a new layout, while we checked: the
-                # verdict would be stale; whoever changed it asked for a new check
-                return problems
-            steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt_id)).scalars()}
-            ckpt.step_checks_ok = not problems
-            ckpt.reason = "; ".join(problems) if problems else None
-            if verdict.incomplete:
-                ckpt.reason = f"ranks {list(verdict.missing)} have no file and the others do not cover the layout: {ckpt.reason}"
-            ckpt.load_plan = (json.dumps({str(r): list(src) for r, src in verdict.load_plan.items()})
-                              if not problems and verdict.load_plan else None)
-            if not problems and len(steps) == 1:
-                ckpt.global_step = steps.pop()
-            repo.add_event(s, ckpt_id, None, "step", "ok" if not problems else "failed", ckpt.reason, time.perf_counter() - t0)
-            repo.recompute_step_state(s, ckpt)
-        return problems
+        return self.steps.check(ckpt_id)

@@ -1,0 +1,103 @@
+"""The daemons' nodes: registration, heartbeats, liveness (docs/ARCHITECTURE.md, *Nodes*).
+
+Every daemon has a node name (``settings.node_name``). It registers at start and renews its
+heartbeat every ``heartbeat_interval``; a node whose heartbeat is older than ``node_timeout`` is
+*unreachable*. Liveness is computed from the catalog when asked, never stored: a node that died
+cannot write "I am dead", and every daemon sharing the catalog must reach the same verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import select, text, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd.catalog.models import Node, Shard
+from ckptd.catalog.repo import Owner, insert_ignore
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    heartbeat_at: datetime
+    reachable: bool
+    seconds_since_heartbeat: float
+
+
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def register(session: Session, name: str, root: str) -> None:
+    """Register (or re-register) this daemon's node and renew its heartbeat. A node coming back
+    changes answers that named it unreachable: every run's cached resume answer is invalidated."""
+    now = datetime.now(timezone.utc)
+    insert_ignore(session, Node, {"name": name, "started_at": now, "heartbeat_at": now, "pid": os.getpid(), "root": root},
+                  ["name"])
+    session.execute(update(Node).where(Node.name == name).values(started_at=now, heartbeat_at=now, pid=os.getpid(),
+                                                                 root=root))
+    session.execute(text("UPDATE resume_generations SET generation = generation + 1"))
+
+
+def heartbeat(session: Session, name: str) -> None:
+    session.execute(update(Node).where(Node.name == name).values(heartbeat_at=datetime.now(timezone.utc)))
+
+
+def statuses(session: Session, timeout: float, now: datetime | None = None) -> dict[str, NodeStatus]:
+    now = now or datetime.now(timezone.utc)
+    out = {}
+    for name, beat in session.execute(select(Node.name, Node.heartbeat_at)).all():
+        age = (now - _aware(beat)).total_seconds()
+        out[name] = NodeStatus(name, _aware(beat), age <= timeout, max(0.0, age))
+    return out
+
+
+def unreachable(session: Session, timeout: float) -> set[str]:
+    """Nodes silent past ``timeout`` (a node never registered is not unreachable: its rows are
+    the pre-0006 placeholder NULL, or a name nothing claims)."""
+    return {n for n, st in statuses(session, timeout).items() if not st.reachable}
+
+
+def next_change(session: Session, timeout: float) -> datetime | None:
+    """The earliest moment a reachable node becomes unreachable if it sends no heartbeat: an
+    answer that depends on liveness is valid until then."""
+    beats = [st.heartbeat_at for st in statuses(session, timeout).values() if st.reachable]
+    return min(beats) + timedelta(seconds=timeout) if beats else None
+
+
+def shard_counts(session: Session) -> dict[str | None, dict[str, int]]:
+    """node -> shard state -> count (``/metrics``)."""
+    from sqlalchemy import func
+
+    out: dict[str | None, dict[str, int]] = {}
+    for node, state, n in session.execute(select(Shard.node, Shard.state, func.count()).group_by(Shard.node, Shard.state)):
+        out.setdefault(node, {})[state] = n
+    return out
+
+
+class NodeView:
+    """This daemon's view of ownership (``repo.Owner``), refreshed at most every ``refresh``
+    seconds: the hot paths ask for it per batch, liveness moves on the scale of heartbeats."""
+
+    def __init__(self, sessions: sessionmaker[Session], name: str, timeout: float, refresh: float = 2.0) -> None:
+        self.sessions, self.name, self.timeout, self.refresh = sessions, name, timeout, refresh
+        self._lock = threading.Lock()
+        self._owner: Owner | None = None
+        self._at = 0.0
+
+    def owner(self) -> Owner:
+        with self._lock:
+            if self._owner is not None and time.monotonic() - self._at < self.refresh:
+                return self._owner
+        with self.sessions() as s:
+            known = statuses(s, self.timeout)
+        others = set(known) - {self.name}
+        owner = Owner(self.name, frozenset(n for n in others if not known[n].reachable), sole=not others)
+        with self._lock:
+            self._owner, self._at = owner, time.monotonic()
+        return owner

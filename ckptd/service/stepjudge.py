@@ -1,0 +1,202 @@
+"""Judging a step as a whole once its shards are verified — also when its files live on several nodes.
+
+The checks themselves are :mod:`ckptd.service.stepcheck` (facts per shard, combined per step).
+This module decides *when* and *where* they run and stores the verdict:
+
+* every file of the step visible here (one node, or a shared filesystem): read them, combine,
+  store — nothing else is written;
+* some files on other nodes (node-local disks mounted at the same path): each node computes the
+  facts of the files it sees and stores them on their shard rows (``shards.facts``, keyed by the
+  verification they follow and the layout they were checked against); under the step's row lock
+  it then reads everyone's facts and, once every shard has fresh facts, combines them. The row
+  lock serializes the nodes, so whichever stores the last facts finds all of them and decides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd import runlayout
+from ckptd.catalog import repo
+from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
+from ckptd.errors import CkptdError
+from ckptd.format.index_cache import IndexCache
+from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
+from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
+from ckptd.settings import Settings
+from ckptd.states import ShardState, allows_subset
+
+
+@dataclass(frozen=True)
+class _Row:
+    id: int
+    rank: int
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    state: str
+    seq: int
+    facts: str | None
+
+    @property
+    def file(self) -> tuple:
+        return (self.id, self.rank, self.path, self.size, self.mtime_ns, self.inode)
+
+
+_ROW_COLUMNS = (Shard.id, Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.state,
+                Shard.verify_seq, Shard.facts)
+
+
+class StepJudge:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], key: bytes | None,
+                 index_cache: IndexCache | None = None) -> None:
+        self.settings, self.sessions, self.key, self.index_cache = settings, sessions, key, index_cache
+        self._strategies: dict[tuple[str, str], Strategy] = {}
+
+    def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
+        if row is None or row.error:
+            return None
+        key = (row.path, row.content_hash)
+        if key not in self._strategies:
+            try:  # the content as catalogued: the file on disk may describe a newer layout by now
+                self._strategies[key] = (parse_strategy_bytes(row.content, row.path) if row.content is not None
+                                         else load_strategy(row.path))
+            except CkptdError:
+                return None
+        return self._strategies[key]
+
+    # --- when ------------------------------------------------------------------------------------
+
+    def ready(self, ckpt_id: int) -> bool:
+        """Step checks not run yet and something to do: every file verified and every expected
+        rank present (a run allowing subset saves: with a strategy, whatever is present); when
+        some files are on other nodes, as soon as the ones visible here are verified (their facts
+        are this node's contribution)."""
+        with self.sessions() as s:
+            ckpt = s.get(Checkpoint, ckpt_id)
+            if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
+                return False
+            rows = self._rows(s, ckpt_id)
+            if not rows:
+                return False
+            visible = [r for r in rows if os.path.exists(r.path)]
+            if len(visible) < len(rows):
+                return bool(visible) and all(r.state == ShardState.VERIFIED.value for r in visible)
+            if any(r.state != ShardState.VERIFIED.value for r in rows):
+                return False
+            if _subset(s, ckpt) and ckpt.strategy_id is not None:
+                return True
+            return len({r.rank for r in rows}) >= ckpt.expected_ranks or len(rows) >= ckpt.expected_ranks
+
+    # --- what ------------------------------------------------------------------------------------
+
+    def check(self, ckpt_id: int) -> list[str]:
+        """Run the step-level checks now and store the verdict (also used for re-verification).
+        Returns the problems found, or [] while other nodes' facts are still missing."""
+        with self.sessions() as s:
+            ckpt = s.get(Checkpoint, ckpt_id)
+            if ckpt is None:
+                return []
+            rows = self._rows(s, ckpt_id)
+            strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
+            expected = ckpt.expected_ranks
+            binding = (ckpt.strategy_id, ckpt.expected_ranks)
+            subset = _subset(s, ckpt)
+            unusable = _unusable_strategy(s, ckpt) if ckpt.strategy_id is None else None
+            names = replica_names(strategy, self.settings.replica_check, self.settings.replica_sample,
+                                  f"{ckpt.run_id}:{ckpt.step}:")
+        t0 = time.perf_counter()
+        refs = [ShardRef(r.rank, r.path) for r in rows]
+        stamp = _stamp(binding, names)
+        visible = {r.id for r in rows if os.path.exists(r.path)}
+        computed = {r.id: self._facts(r, strategy, names, subset) for r in rows
+                    if r.id in visible and _fresh(r, stamp) is None}
+        with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)
+            now_rows = self._rows(s, ckpt_id)
+            if [r.file for r in now_rows] != [r.file for r in rows] or (ckpt.strategy_id, ckpt.expected_ranks) != binding:
+                # shards changed, or the step was re-bound to a new layout, while we checked: the
+                # verdict would be stale; whoever changed it asked for a new check
+                return []
+            distributed = len(visible) < len(rows)
+            facts: dict[int, ShardFacts] = {}
+            for r in now_rows:
+                verified = r.state == ShardState.VERIFIED.value
+                if r.id in computed and (verified or not distributed):
+                    facts[r.rank] = computed[r.id]
+                    if distributed:  # shared with the nodes that cannot read this file
+                        s.execute(update(Shard).where(Shard.id == r.id, Shard.verify_seq == r.seq).values(
+                            facts=json.dumps({"stamp": stamp, "seq": r.seq, "facts": computed[r.id].encode()})))
+                elif distributed and verified and (known := _fresh(r, stamp)) is not None:
+                    facts[r.rank] = known
+            if distributed and len(facts) < len(now_rows):
+                return []  # the nodes holding the other files add theirs; the last one decides
+            verdict = combine(refs, facts, expected, strategy, names, subset=subset)
+            problems = verdict.problems + ([f"the run's strategy files are unusable, so the shards cannot be checked "
+                                            f"against their layout: {unusable}"] if unusable else [])
+            self._store(s, ckpt, verdict, problems, time.perf_counter() - t0)
+        return problems
+
+    def _facts(self, row: _Row, strategy: Strategy | None, names: tuple[str, ...], subset: bool) -> ShardFacts:
+        return shard_facts(ShardRef(row.rank, row.path), strategy, self.key, names, subset=subset,
+                           index_cache=self.index_cache)
+
+    @staticmethod
+    def _rows(s: Session, ckpt_id: int) -> list[_Row]:
+        return [_Row(*r) for r in s.execute(select(*_ROW_COLUMNS).where(
+            Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value).order_by(Shard.id)).all()]
+
+    @staticmethod
+    def _store(s: Session, ckpt: Checkpoint, verdict: StepVerdict, problems: list[str], seconds: float) -> None:
+        steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt.id)).scalars()}
+        ckpt.step_checks_ok = not problems
+        ckpt.reason = "; ".join(problems) if problems else None
+        if verdict.incomplete:
+            ckpt.reason = f"ranks {list(verdict.missing)} have no file and the others do not cover the layout: {ckpt.reason}"
+        ckpt.load_plan = (json.dumps({str(r): list(src) for r, src in verdict.load_plan.items()})
+                          if not problems and verdict.load_plan else None)
+        if not problems and len(steps) == 1:
+            ckpt.global_step = steps.pop()
+        repo.add_event(s, ckpt.id, None, "step", "ok" if not problems else "failed", ckpt.reason, seconds)
+        repo.recompute_step_state(s, ckpt)
+
+
+def _stamp(binding: tuple, names: tuple[str, ...]) -> str:
+    """What facts were computed against: the step's layout binding and the sampled parameters
+    (a node with other replica settings would sample others, so its facts are not reused)."""
+    return json.dumps([list(binding), list(names)])
+
+
+def _fresh(row: _Row, stamp: str) -> ShardFacts | None:
+    if not row.facts:
+        return None
+    try:
+        doc = json.loads(row.facts)
+        if doc.get("stamp") != stamp or doc.get("seq") != row.seq:
+            return None
+        return ShardFacts.decode(doc["facts"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _subset(s: Session, ckpt: Checkpoint) -> bool:
+    run = s.get(Run, ckpt.run_id)
+    return ckpt.kind != "converted" and run is not None and allows_subset(run.layout)
+
+
+def _unusable_strategy(s: Session, ckpt: Checkpoint) -> str | None:
+    """Why the run's per-rank strategy files could not be merged, if that is why the step has
+    no strategy (a MindFormers job always writes them: checking without would prove little)."""
+    run = s.get(Run, ckpt.run_id)
+    if run is None or not run.path or ckpt.kind == "converted":
+        return None
+    return s.execute(select(StrategyFile.error).where(
+        StrategyFile.run_id == run.id, StrategyFile.path == runlayout.rank_strategies_dir(run.path),
+        StrategyFile.error.is_not(None)).order_by(StrategyFile.seen_at.desc()).limit(1)).scalar_one_or_none()
