@@ -13,7 +13,9 @@ import time
 
 from sqlalchemy.orm import sessionmaker
 
+from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.db import make_engine, require_current_schema
+from ckptd.catalog.nodes import NodeView
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.policy import RetentionPolicy
@@ -35,8 +37,10 @@ class Daemon:
         require_current_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         index_cache = IndexCache()  # a new shard is opened by ingest, verification and step checks
-        self.verifier = Verifier(settings, self.sessions, index_cache)
-        self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache)
+        self.nodes = NodeView(self.sessions, settings.node_name, settings.node_timeout)
+        self.verifier = Verifier(settings, self.sessions, index_cache, self.nodes)
+        self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache,
+                                 self.nodes)
         self._stopping = threading.Event()
         self.watcher = Watcher(
             self.ingestor,
@@ -47,16 +51,31 @@ class Daemon:
         )
 
     def start(self) -> None:
-        log.info("watching %s (catalog %s)", self.settings.root, self.engine.url.render_as_string(hide_password=True))
-        finished = finish_pending(self.sessions, str(self.settings.root))  # a gc interrupted by a crash
+        log.info("watching %s as node %s (catalog %s)", self.settings.root, self.settings.node_name,
+                 self.engine.url.render_as_string(hide_password=True))
+        with self.sessions.begin() as s:
+            node_registry.register(s, self.settings.node_name, str(self.settings.root))
+        finished = finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())  # a gc a crash interrupted
         if finished:
             log.info("finished %d interrupted retention deletions", finished)
+        threading.Thread(target=self._heartbeat_loop, name="ckptd-heartbeat", daemon=True).start()
         self.watcher.start()
         if self.settings.scrub_interval:
             threading.Thread(target=self._scrub_loop, name="ckptd-scrub", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)
             self._gc_thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        """Tell the other daemons this node is alive, and do this node's part of deletions that
+        another node's gc started (each node deletes only its own files)."""
+        while not self._stopping.wait(self.settings.heartbeat_interval):
+            try:
+                with self.sessions.begin() as s:
+                    node_registry.heartbeat(s, self.settings.node_name)
+                finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())
+            except Exception:
+                log.exception("heartbeat failed; will retry")
 
     def _scrub_loop(self) -> None:
         """Background re-verification at the lowest priority: a few shards at a time, and only
@@ -80,7 +99,7 @@ class Daemon:
         policy = RetentionPolicy(keep_last=self.settings.gc_keep_last, keep_every=self.settings.gc_keep_every)
         while not self._stopping.wait(self.settings.gc_interval):
             try:
-                report = gc(self.sessions, str(self.settings.root), policy)
+                report = gc(self.sessions, str(self.settings.root), policy, owner=self.nodes.owner())
                 if report.deleted_steps or report.refused:
                     log.info("retention: deleted %d steps (%d files); refused: %s",
                              report.deleted_steps, report.deleted_files, report.refused)

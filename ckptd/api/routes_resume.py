@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+
 import asyncio
 import contextlib
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qsl
@@ -14,35 +16,45 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ckptd.api.deps import SCOPE_RANK, ReadScope, ReportScope, RunName, SessionDep, token_scope, valid_run_name
-from ckptd.api.schemas import HealthReport, ResumeAnswer
-from ckptd.service import catalog
+from ckptd.api.deps import (
+    INT32_MAX, INT64_MAX, SCOPE_RANK, AdminScope, ReadScope, ReportScope, RunName, SessionDep, token_scope,
+    valid_run_name,
+)
+from ckptd.api.errors import responses
+from ckptd.api.guard import max_body
+from ckptd.api.schemas import HealthCleared, HealthReport, ResumeAnswer
+from ckptd.service import health
 from ckptd.service.resume import ResumeCache, ResumeOptions
 
-router = APIRouter(prefix="/v1/runs", tags=["resume"])
+router = APIRouter(prefix="/v1/runs", tags=["resume"], responses=responses(400, 401, 403, 422))
 
 
 @router.get(
     "/{run}/resume",
     response_model=ResumeAnswer,
-    responses={404: {"description": "no restorable step (detail.code = no_restorable_step, detail.skipped lists why)"}},
+    responses=responses(described={404: "no restorable step (detail.code no_restorable_step, detail.skipped lists "
+                                        "why), or a run ckptd has never seen (detail.code not_found)"}),
 )
 async def get_resume(
     run: RunName, _: ReadScope, request: Request,
-    max_step: int | None = Query(default=None, ge=0, description="resume at or before this step"),
-    world_size: int | None = Query(default=None, ge=1, description="target world size; a mismatch sets 'conversion'"),
+    max_step: int | None = Query(default=None, ge=0, le=INT64_MAX, description="resume at or before this step"),
+    world_size: int | None = Query(default=None, ge=1, le=INT32_MAX,
+                                   description="target world size; a mismatch sets 'conversion'"),
     skip_spikes: bool = Query(default=False, description="also skip steps from the first loss spike on"),
-    spike_factor: float = Query(default=3.0, gt=1.0),
-    spike_window: int = Query(default=20, ge=2),
+    spike_factor: float = Query(default=3.0, gt=1.0, allow_inf_nan=False),
+    spike_window: int = Query(default=20, ge=2, le=INT32_MAX),
     lease: bool = Query(default=True, description="protect the answer from retention for 30 minutes"),
     strategy_hash: str | None = Query(
         default=None, max_length=80, pattern=r"^(none|sha256:[0-9a-f]{64})$",
         description="target layout's strategy hash (as answers report it); a mismatch sets 'conversion' even at the "
                     "same world size, and 'existing' is a copy of exactly that layout",
     ),
+    exclude_unreachable: bool = Query(
+        default=False, description="pass over steps with a shard on a node whose daemon is silent (after a node loss)"),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
-    opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash)
+    opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash,
+                         exclude_unreachable, request.app.state.settings.node_timeout)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is
@@ -80,9 +92,35 @@ def _compute(sessions: sessionmaker[Session], cache: ResumeCache, run: str, opts
         return cache.answer(s, run, opts)
 
 
-@router.post("/{run}/health", status_code=204)
-def post_health(run: RunName, body: HealthReport, s: SessionDep, _: ReportScope) -> None:
-    catalog.report_health(s, run, body.step, body.loss, body.grad_norm, body.overflow)
+_HEALTH_BODY = 4 * 1024  # {"step", "loss", "grad_norm", "overflow"}: well under 200 bytes
+
+
+@router.post(
+    "/{run}/health", status_code=204, response_class=Response, openapi_extra=max_body(_HEALTH_BODY),
+    responses=responses(413, described={404: "ckptd has not seen this run on disk (detail.code not_found): "
+                                             "<root>/<run> is not a directory"}),
+)
+def post_health(run: RunName, body: HealthReport, request: Request, s: SessionDep, _: ReportScope) -> Response:
+    """One step's training health from the trainer (the last report of a step wins).
+
+    A run is created only for a directory that exists under the checkpoint root: a report token
+    cannot make ckptd invent runs. A NaN/inf loss rules out every checkpoint at or after its step;
+    an operator clears a wrong one with ``DELETE /v1/runs/{run}/health``.
+    """
+    health.report(s, str(request.app.state.settings.root), run, body.step, body.loss, body.grad_norm, body.overflow)
+    return Response(status_code=204)
+
+
+@router.delete("/{run}/health", response_model=HealthCleared,
+               responses=responses(413, described={404: "no run of that name in the catalog (detail.code not_found)"}))
+def clear_health(
+    run: RunName, s: SessionDep, _: AdminScope,
+    from_step: int | None = Query(default=None, ge=0, le=INT64_MAX,
+                                  description="remove the records of this step and later ones (default: all)"),
+) -> dict[str, Any]:
+    """Remove a run's training-health records (e.g. a NaN reported by mistake): the steps they ruled
+    out are restorable again, the resume answer follows at once."""
+    return health.clear(s, run, from_step)
 
 
 # --- the restart-storm fast path -----------------------------------------------------------------
@@ -158,6 +196,7 @@ class ResumeFastPath:
         opts = _fast_options(scope.get("query_string", b""))
         if opts is None:
             return None
+        opts = replace(opts, node_timeout=state.settings.node_timeout)  # as the route builds them
         body = await state.resume_cache.current(run, opts)
         if body is None and (run, opts) in state.resume_locks:
             # the same answer is being computed (the storm after a change): wait for it here rather

@@ -70,6 +70,11 @@ def next_change(session: Session, timeout: float) -> datetime | None:
     return min(beats) + timedelta(seconds=timeout) if beats else None
 
 
+def several(session: Session) -> bool:
+    """More than one node ever registered (answers then depend on liveness)."""
+    return len(session.execute(select(Node.id).limit(2)).all()) > 1
+
+
 def shard_counts(session: Session) -> dict[str | None, dict[str, int]]:
     """node -> shard state -> count (``/metrics``)."""
     from sqlalchemy import func

@@ -8,6 +8,7 @@ can never overwrite a newer file's state. Step states are recomputed under a row
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -150,7 +151,9 @@ class Owner:
         return or_(Shard.node == self.node, Shard.node.is_(None)) if self.sole else Shard.node == self.node
 
 
-LOCAL = Owner("localhost")  # one daemon, one node: what tools without a daemon (tests, the CLI's gc) default to
+# this machine as the only node: the default of callers without a daemon (tests, tools); the same
+# name as Settings.node_name's default, so their rows and a default daemon's are one node's
+LOCAL = Owner(socket.gethostname() or "localhost")
 
 
 def register_shards(

@@ -39,6 +39,8 @@ def register(sub: Any) -> None:
     r = sub.add_parser("resume", help="what the launcher would be told: the latest restorable step")
     r.add_argument("--run", required=True)
     r.add_argument("--max-step", type=int, help="resume at or before this step")
+    r.add_argument("--exclude-unreachable", action="store_true",
+                   help="pass over steps with a shard on a node whose daemon is silent (after a node loss)")
     r.add_argument("--world-size", type=int, help="target world size (says whether a conversion is needed)")
     r.add_argument("--skip-spikes", action="store_true", help="skip steps from the first loss spike on")
     r.add_argument("--no-lease", action="store_true", help="do not protect the answer from retention")
@@ -135,18 +137,29 @@ def _is_loopback(host: str) -> bool:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ckptd.service import catalog
 
-    _, sessions = _sessions(args)
+    settings, sessions = _sessions(args)
     with sessions() as s:
         if args.run is None:
             runs = catalog.list_runs(s)
-            rows = [(r["name"], r["world_size"], r["latest_restorable_step"],
-                     ", ".join(f"{k}={v}" for k, v in sorted(r["steps"].items()))) for r in runs]
-            _emit(args, runs, _table(rows, ("RUN", "WORLD", "LATEST RESTORABLE", "STEPS")) if rows else "no runs catalogued")
+            nodes = catalog.list_nodes(s, settings.node_timeout)
+            live = {n["name"]: n["reachable"] for n in nodes}
+            rows = [(r["name"], r["layout"], r["world_size"], r["latest_restorable_step"],
+                     ", ".join(f"{k}={v}" for k, v in sorted(r["steps"].items())),
+                     ", ".join(f"{n}{'' if live.get(n, True) else ' (UNREACHABLE)'}" for n in r["nodes"])) for r in runs]
+            text = _table(rows, ("RUN", "LAYOUT", "WORLD", "LATEST RESTORABLE", "STEPS", "NODES")) if rows else "no runs catalogued"
+            if nodes:
+                text += "\n\n" + _table([(n["name"], "reachable" if n["reachable"] else "UNREACHABLE",
+                                           f"{n['seconds_since_heartbeat']:.0f}s", sum(n["shards"].values())) for n in nodes],
+                                         ("NODE", "LIVENESS", "LAST HEARTBEAT", "SHARDS"))
+            _emit(args, runs, text)
         else:
             steps = catalog.list_steps(s, args.run, args.state)
-            rows = [(x["step"], x["epoch"], x["kind"], x["state"], "yes" if x["restorable"] else "no",
+            rows = [(x["global_step"] if x["global_step"] is not None else x["step"], x["epoch"], x["step"],
+                     "" if x["incarnation"] is None else x["incarnation"], x["kind"], x["state"],
+                     "yes" if x["restorable"] else "no",
                      "bad" if x["marked_bad"] else ("pinned" if x["pinned"] else ""), (x["reason"] or "")[:80]) for x in steps]
-            _emit(args, steps, _table(rows, ("STEP", "EPOCH", "KIND", "STATE", "RESTORABLE", "MARK", "REASON")))
+            _emit(args, steps, _table(rows, ("STEP", "EPOCH", "NAME STEP", "INC", "KIND", "STATE", "RESTORABLE", "MARK",
+                                             "REASON")))
     return 0
 
 
@@ -158,16 +171,18 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = catalog.show_step(s, args.run, args.step)
     head = (f"run {args.run} step {doc['step']} (epoch {doc['epoch']}): {doc['state']}"
             f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}")
-    rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], x["error"] or "", x["path"]) for x in doc["shards"]]
-    _emit(args, doc, head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "ERROR", "PATH")))
+    rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], x["node"] or "-", x["error"] or "",
+             x["path"]) for x in doc["shards"]]
+    _emit(args, doc, head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "NODE", "ERROR", "PATH")))
     return 0 if doc["restorable"] else 1
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
 
-    _, sessions = _sessions(args)
-    opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease)
+    settings, sessions = _sessions(args)
+    opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease,
+                         exclude_unreachable=args.exclude_unreachable, node_timeout=settings.node_timeout)
     try:
         with sessions.begin() as s:
             doc = resume(s, args.run, opts)
@@ -182,7 +197,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
              f"strategy: {doc['strategy_file'] or '-'}"]
     if doc.get("incarnation"):
         lines.append(f"incarnation: {doc['incarnation']} (restart {doc['incarnation']} into the same directory)")
-    lines += [f"  rank {x['rank']}: {x['path']}" + ("" if x.get("own_file", True) else " (replica: no file of its own)")
+    if doc.get("unreachable_nodes"):
+        lines.append(f"WARNING: shards on unreachable node(s) {', '.join(doc['unreachable_nodes'])} (daemon silent); "
+                     "--exclude-unreachable answers the newest step without them")
+    lines += [f"  rank {x['rank']}: {x['path']}" + (f" [{x['node']}]" if x.get("node") else "")
+              + ("" if x.get("own_file", True) else " (replica: no file of its own)")
               + (f" + {len(x['load_from']) - 1} more file(s)" if len(x.get("load_from", ())) > 1 else "")
               for x in doc["shards"]]
     mf = doc.get("mindformers")
@@ -204,7 +223,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ckptd.service.retention import gc
 
     settings, sessions = _sessions(args)
-    report = gc(sessions, str(settings.root), RetentionPolicy(args.keep_last, args.keep_every),
+    from ckptd.catalog.nodes import NodeView
+
+    owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
+    report = gc(sessions, str(settings.root), RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
                 run_name=args.run, dry_run=args.dry_run)
     doc = report.to_dict()
     lines = []

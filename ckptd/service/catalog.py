@@ -68,16 +68,29 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
         .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc())
         .limit(1)
     ).first()
+    nodes = dict(s.execute(select(Shard.node, func.count()).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
+        Checkpoint.run_id == run.id, Shard.state != "deleted").group_by(Shard.node)).all())
     return {
         "name": run.name,
         "path": run.path,
         "layout": run.layout or "native",
+        "nodes": {str(n): c for n, c in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
         "world_size": run.world_size,
         "steps": counts,
         "latest_restorable_step": latest[0] if latest else None,
         "latest_restorable_at": _iso(latest[1]) if latest else None,
         "created_at": _iso(run.created_at),
     }
+
+
+def list_nodes(s: Session, timeout: float) -> list[dict[str, Any]]:
+    """Every daemon node with its liveness and the shards it owns per state."""
+    from ckptd.catalog import nodes
+
+    counts = nodes.shard_counts(s)
+    return [{"name": st.name, "reachable": st.reachable, "heartbeat_at": _iso(st.heartbeat_at),
+             "seconds_since_heartbeat": round(st.seconds_since_heartbeat, 3), "shards": counts.get(st.name, {})}
+            for st in sorted(nodes.statuses(s, timeout).values(), key=lambda x: x.name)]
 
 
 def list_runs(s: Session) -> list[dict[str, Any]]:
@@ -123,6 +136,7 @@ def shard_dict(sh: Shard) -> dict[str, Any]:
         "error": sh.error,
         "quarantined": sh.quarantined,
         "verified_at": _iso(sh.verified_at),
+        "node": sh.node,
     }
 
 

@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -22,6 +22,7 @@ from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from ckptd import runlayout
+from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
@@ -46,6 +47,9 @@ class ResumeOptions:
     lease: bool = True
     # target layout by strategy hash: tells apart layouts of one world size (tp2dp2 vs tp4dp1)
     strategy_hash: str | None = None
+    # skip steps with a shard on a node whose daemon is silent (the launcher's choice after a node loss)
+    exclude_unreachable: bool = False
+    node_timeout: float = 120.0
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
@@ -107,10 +111,11 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     spike = SpikeRule(opts.spike_factor, opts.spike_window) if opts.skip_spikes else None
     policy = ResumePolicy(max_step=opts.max_step, spike=spike)
     health = _health(s, run.id, opts.skip_spikes)
-    steps = step_infos(s, run.id, now, limit=_FIRST_BATCH)
+    dead = node_registry.unreachable(s, opts.node_timeout)
+    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        decision = policy.decide(step_infos(s, run.id, now), health)
+        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
@@ -119,9 +124,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         raise err
     ckpt = s.get(Checkpoint, decision.chosen.id)
     assert ckpt is not None
-    shards = s.execute(
-        select(Shard.rank, Shard.path).where(Shard.checkpoint_id == ckpt.id, Shard.state == ShardState.VERIFIED.value).order_by(Shard.rank)
+    rows = s.execute(
+        select(Shard.rank, Shard.path, Shard.node).where(Shard.checkpoint_id == ckpt.id, Shard.state == ShardState.VERIFIED.value)
+        .order_by(Shard.rank)
     ).all()
+    shards = [(rank, path) for rank, path, _ in rows]
+    node_of = {path: node for _, path, node in rows}
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
     lease = _aware(ckpt.lease_until) if ckpt.lease_until is not None else None
     if opts.lease and (lease is None or lease < now + RESUME_LEASE / 2):
@@ -138,7 +146,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "world_size": ckpt.expected_ranks,
         "strategy_file": strategy.path if strategy else None,
         "strategy_hash": strategy.content_hash if strategy else None,
-        "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan),
+        "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
+        "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
         "conversion": None,
         "mindformers": mindformers_block(run.path, dict(shards), ckpt) if run.layout == runlayout.MINDFORMERS else None,
@@ -150,7 +159,22 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     return answer
 
 
-def load_entries(own: dict[int, str], world: int | None, load_plan: str | None) -> list[dict[str, Any]]:
+def _mark_unreachable(s: Session, steps: list[StepInfo], dead: set[str], opts: ResumeOptions) -> list[StepInfo]:
+    """With ``exclude_unreachable``, steps with a shard on an unreachable node are passed over
+    (with that reason); without it they stay candidates and the answer names the nodes."""
+    if not dead or not opts.exclude_unreachable or not steps:
+        return steps
+    hit: dict[int, set[str]] = {}
+    ids = [i.id for i in steps]
+    for ckpt_id, node in s.execute(select(Shard.checkpoint_id, Shard.node).where(
+            Shard.checkpoint_id.in_(ids), Shard.node.in_(sorted(dead))).distinct()).all():
+        hit.setdefault(ckpt_id, set()).add(node)
+    return [replace(i, state=f"unreachable: shards on node(s) {', '.join(sorted(hit[i.id]))}, whose daemon is silent")
+            if i.id in hit and i.state == "verified" else i for i in steps]
+
+
+def load_entries(own: dict[int, str], world: int | None, load_plan: str | None,
+                 node_of: dict[str, str | None] | None = None) -> list[dict[str, Any]]:
     """One entry per rank: the file it loads. A step whole only as the union of its files (see
     ``ckptd.service.stepcheck``) also lists, per rank, every file holding its slices (``load_from``);
     a rank without a file of its own gets the first of those as its ``path`` (``own_file`` false)."""
@@ -160,7 +184,8 @@ def load_entries(own: dict[int, str], world: int | None, load_plan: str | None) 
         sources = [own[r] for r in plan.get(rank, [rank]) if r in own]
         if not sources:
             continue
-        entry: dict[str, Any] = {"rank": rank, "path": own.get(rank, sources[0])}
+        path = own.get(rank, sources[0])
+        entry: dict[str, Any] = {"rank": rank, "path": path, "node": (node_of or {}).get(path)}
         if plan:
             entry["own_file"] = rank in own
             entry["load_from"] = sources
@@ -400,7 +425,13 @@ class ResumeCache:
             return json.dumps(resume(s, run_name, opts)).encode()
         gen = self.generation(s, run_name)  # read *before* computing: the body is never older than it
         now = time.monotonic()
+        # liveness moves with time, not with catalog writes: an answer that could change when a
+        # node falls silent is kept only until the first node could (a node coming back bumps
+        # every run's generation when it registers)
+        flip = node_registry.next_change(s, opts.node_timeout) if node_registry.several(s) else None
         body = json.dumps(resume(s, run_name, opts)).encode()
+        if flip is not None:
+            now -= max(0.0, self.ttl - max(0.0, (flip - datetime.now(UTC)).total_seconds()))
         with self._lock:
             self.misses += 1
             if gen is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
@@ -28,7 +28,7 @@ from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, Verifica
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import resolves_inside, sidecar_for
 from ckptd.service.resume import step_infos
-from ckptd.states import StepState
+from ckptd.states import ShardState, StepState
 
 
 @dataclass
@@ -80,11 +80,12 @@ def _with_in_use(info):  # noqa: ANN001, ANN202 - tiny dataclass helper
 
 
 def gc(
-    sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False
+    sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
+    owner: repo.Owner = repo.LOCAL,
 ) -> GcReport:
     report = GcReport(dry_run=dry_run)
     if not dry_run:
-        finish_pending(sessions, root, report)
+        finish_pending(sessions, root, report, owner)
     with sessions.begin() as s:
         q = select(Run).order_by(Run.name)
         if run_name is not None:
@@ -110,7 +111,7 @@ def gc(
     if not dry_run:
         if os.environ.get("CKPTD_FAULT_GC_CRASH_AFTER_MARK") == "1":  # test hook: die between phases 1 and 2
             os.kill(os.getpid(), signal.SIGKILL)
-        finish_pending(sessions, root, report)
+        finish_pending(sessions, root, report, owner)
     return report
 
 
@@ -123,16 +124,27 @@ def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
     s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id))
 
 
-def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None) -> int:
-    """Phases 2 and 3 for every step left in ``deleting`` (also after a crash)."""
+def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None,
+                   owner: repo.Owner = repo.LOCAL) -> int:
+    """Phases 2 and 3 for every step left in ``deleting`` (also after a crash).
+
+    Each node deletes only its own files (``owner``: docs/ARCHITECTURE.md, *Nodes*) and records
+    them as deleted; the rows go once no node holds a file of the step any more. A step whose
+    files live on several nodes is finished by the last of them (each daemon runs this at start,
+    with every gc and after each heartbeat)."""
     report = report or GcReport(dry_run=False)
     with sessions() as s:
         pending = s.execute(select(Checkpoint.id).where(Checkpoint.state == StepState.DELETING.value)).scalars().all()
     for ckpt_id in pending:
         with sessions() as s:
-            paths = s.execute(select(Shard.path).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
-        blocked = False
-        for path in paths:
+            rows = s.execute(select(Shard.id, Shard.path, Shard.node, Shard.state).where(
+                Shard.checkpoint_id == ckpt_id)).all()
+        blocked, mine = False, []
+        for shard_id, path, node, state in rows:
+            if state == ShardState.DELETED.value and node != owner.node:
+                continue  # its node removed it already
+            if not (owner.owns(node) or (node is None and os.path.lexists(path))):
+                continue  # another node's file: that node deletes it
             for target in (path, sidecar_for(path)):
                 if not os.path.lexists(target):
                     continue
@@ -142,8 +154,17 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
                     continue
                 os.unlink(target)
                 report.deleted_files += 1
+            mine.append(shard_id)
         if blocked:
             continue  # keep the rows: an operator must look at this step
+        if mine:
+            with sessions.begin() as s:
+                s.execute(update(Shard).where(Shard.id.in_(mine)).values(state=ShardState.DELETED.value))
+        with sessions() as s:
+            left = s.execute(select(Shard.node).where(
+                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).scalars().all()
+        if left:
+            continue  # other nodes still hold files of it; the last one to delete removes the rows
         with sessions.begin() as s:
             from ckptd.service.conversions import delete_derived
 
