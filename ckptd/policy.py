@@ -144,40 +144,77 @@ class RetentionPlan:
 class RetentionPolicy:
     """Keep the newest ``keep_last`` restorable steps, every ``keep_every``-th step, pinned steps.
 
+    Steps are taken in training order (``position`` when known, else ``step``). *Restorable*: verified
+    and not marked bad. *May still become restorable*: ``pending`` (its verification has not
+    finished, e.g. everything after a restart that re-verifies) or ``incomplete`` (ranks still
+    arriving), and not marked bad.
+
+    A step that may still become restorable is kept exactly where it would be kept if it were
+    restorable now, the other such steps not counted: while fewer than ``keep_last`` restorable
+    steps are newer than it (so it would be one of the newest ``keep_last``), when ``keep_every``
+    divides its step (marked bad or not, as for a verified step), and when pinned or leased. It
+    never takes the place of a restorable step: counting it among the newest ``keep_last`` would
+    delete verified steps on the guess that it passes, and a guess that fails leaves fewer
+    restorable steps than asked for. So a plan made while steps are unsettled deletes nothing
+    that the plan made after they settle (each verified or not) would keep: steps that may still
+    become restorable are never deleted ahead of older restorable ones, and storage never exceeds
+    what the policy keeps once every one of them verified. (``keep_last=5``, steps 1000 and
+    996-990 verified, 999-997 pending again after a restart that re-verifies: 999-997 are kept
+    with 1000 and 996-993, and 992-990 go. The previous rule counted only what was verified at
+    that moment: it deleted 999-997 and kept 994-993.)
+
     Invariants, whatever the numbers: the newest restorable step is never deleted; nothing newer
-    than it that may still become restorable (incomplete/pending) is deleted; leased steps are kept.
+    than it that may still become restorable is deleted; corrupt or marked-bad steps newer than it
+    are kept as evidence; pinned and leased steps are kept.
     """
 
     keep_last: int | None = 5
     keep_every: int | None = None
 
     def plan(self, steps: Iterable[StepInfo]) -> RetentionPlan:
-        ordered = sorted(steps, key=lambda s: s.step, reverse=True)
+        ordered = sorted(steps, key=_training_order, reverse=True)
         restorable = [s for s in ordered if s.state == "verified" and not s.marked_bad]
-        newest_ok = restorable[0].step if restorable else None
+        n = max(self.keep_last, 1) if self.keep_last is not None else None
+        window = restorable[:n] if n is not None else restorable
         keep: dict[int, str] = {}
-        if self.keep_last is not None:
-            for s in restorable[: max(self.keep_last, 1)]:
-                keep[s.id] = f"one of the newest {max(self.keep_last, 1)} restorable"
-        elif restorable:
-            keep.update({s.id: "keep_last unset: restorable steps are kept" for s in restorable})
+        for s in window:
+            keep[s.id] = f"one of the newest {n} restorable" if n is not None else "keep_last unset: restorable steps are kept"
         if restorable:
             keep[restorable[0].id] = "newest restorable step"
+        newest_ok = _training_order(restorable[0]) if restorable else None
+        # a step newer than this (the oldest of the newest n restorable) would be one of the newest n
+        # if it became restorable; None: fewer than n restorable steps, so any step would be
+        floor = _training_order(window[-1]) if n is not None and len(restorable) >= n else None
         for s in ordered:
             if s.id in keep or s.state == "deleting":
                 continue
+            at = _training_order(s)
+            unsettled = s.state in _MAY_BECOME_RESTORABLE
+            maybe = unsettled and not s.marked_bad
             if s.pinned:
                 keep[s.id] = "pinned"
             elif s.in_use:
                 keep[s.id] = "in use by a resume or conversion"
-            elif self.keep_every and s.step % self.keep_every == 0 and s.state == "verified":
-                keep[s.id] = f"every {self.keep_every}th step"
-            elif newest_ok is None or s.step > newest_ok:
+            elif self.keep_every and s.step % self.keep_every == 0 and (s.state == "verified" or unsettled):
+                keep[s.id] = f"every {self.keep_every}th step" + ("" if s.state == "verified" else "; may still become restorable")
+            elif maybe and (newest_ok is None or at > newest_ok):
+                keep[s.id] = "newer than the newest restorable step; may still become restorable"
+            elif maybe and (floor is None or at > floor):
+                keep[s.id] = f"{s.state}: may still become restorable, and would then be one of the newest {n} restorable"
+            elif newest_ok is None or at > newest_ok:
                 if s.marked_bad:
                     keep[s.id] = "newer than the newest restorable step; marked bad, kept as evidence"
-                elif s.state in ("incomplete", "pending", "verified"):
-                    keep[s.id] = "newer than the newest restorable step; may still become restorable"
                 elif s.state == "corrupt":
                     keep[s.id] = "newer than the newest restorable step; kept as evidence"
         delete = tuple(s.id for s in ordered if s.id not in keep and s.state != "deleting")
         return RetentionPlan(keep, delete)
+
+
+#: step states that may still turn into ``verified`` without anyone's intervention
+_MAY_BECOME_RESTORABLE = ("pending", "incomplete")
+
+
+def _training_order(s: StepInfo) -> tuple[int, ...]:
+    """Training order, as the resume policy sees it: a step not verified yet has no global step
+    (a MindFormers name counts within its epoch), so ``position`` decides when it is known."""
+    return s.position or (s.step,)
