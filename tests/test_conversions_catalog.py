@@ -144,3 +144,41 @@ def test_resume_by_strategy_hash_tells_apart_layouts_of_one_world_size(ms, root,
         with open_checkpoint(existing["shards"][1]["path"]) as ck:  # every rank now holds all of w
             np.testing.assert_array_equal(ck.array("w"), np.concatenate([rank_tensors(0, 100)["w"], rank_tensors(1, 100)["w"]]))
         assert c.get("/v1/runs/run1/resume", params={"strategy_hash": "tp=4"}).status_code == 422
+
+
+def test_converting_a_step_that_is_not_verified_says_what_it_is(ms, root, catalog_url):
+    """Issue 15, finding 11: converting an ``incomplete`` step said "is corrupt" — step 100 had an
+    older corrupt save (verified once, so it carries global step 100) and the newest save, the one
+    ``ls`` lists first, was incomplete; the refusal named the older save's state only."""
+    from tests.daemon_helpers import rank_tensors
+
+    _job(ms, root, steps=(100,))
+    save_shard(ms, root, "run1", 0, 300)  # rank 1 never wrote step 300
+    with Server(Settings(root=root, db=catalog_url, settle_seconds=0.2, tokens=TOKENS)) as srv:
+        srv.settle()
+        c = srv.client("a-token")
+        shard = root / "run1" / "rank_1" / "net-1_100.ckpt"
+        data = bytearray(shard.read_bytes())
+        data[-20] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        srv.settle()
+        # the job restarted and saves step 100 again, as epoch 2; rank 1 has not written it yet
+        ms.save_checkpoint([{"name": n, "data": ms.Tensor(a)} for n, a in rank_tensors(0, 100).items()],
+                           str(root / "run1" / "rank_0" / "net-2_100.ckpt"), append_dict={"step_num": 100, "rank_id": 0})
+        srv.settle()
+        listed = [(s["step"], s["epoch"], s["state"]) for s in c.get("/v1/runs/run1/steps").json()]
+        assert listed[0] == (100, 2, "incomplete") and sorted(listed) == [(100, 1, "corrupt"), (100, 2, "incomplete"),
+                                                                           (300, 1, "incomplete")]
+        single = c.post("/v1/runs/run1/conversions", json={"step": 300, "to_strategy": "none"})
+        assert single.status_code == 400
+        assert single.json()["detail"]["message"] == "step 300 of run 'run1' is incomplete, not verified: ranks [1] of 2 have no file"
+        both = c.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": "none"})
+        assert both.status_code == 400
+        message = both.json()["detail"]["message"]
+        assert message.startswith("step 100 of run 'run1' has 2 saves and none is verified: the newest save (epoch 2) is "
+                                  "incomplete: ranks [1] of 2 have no file; the save (epoch 1) is corrupt: rank 1: CRC mismatch")
+    env = dict(os.environ, CKPTD_DB=catalog_url, CKPTD_ROOT=str(root))
+    cli = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy", "none"],
+                         capture_output=True, text=True, env=env)
+    assert cli.returncode == 1 and "the newest save (epoch 2) is incomplete: ranks [1] of 2 have no file" in cli.stderr
+    assert "Traceback" not in cli.stderr

@@ -6,12 +6,26 @@ place the watcher never mistakes for training shards — and records the result 
 checkpoint (``derived_from_id`` → the source step; target strategy registered) plus a
 ``conversion_jobs`` row holding both strategy hashes. The resume oracle then serves it to a job
 restarting on the target layout. The source step is leased while it is being read.
+
+Every conversion runs as a job (:mod:`ckptd.service.jobs`: the API's job, or one ``convert_step``
+records for ``ckptd convert --run``), which names the process running it and carries its
+heartbeat. A conversion whose process died (SIGKILL, power loss) is failed by
+:func:`recover_conversions` — through :func:`ckptd.service.jobs.recover_abandoned`, at daemon
+start — its source's lease is cut back to what a resume answer may still need, and the temp tree
+it was writing (``OUT/.ckptd-convert-<host>-<pid>-<hex>``) is removed: only that tree, only
+inside the checkpoint root, reached without following a symlink.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import shutil
+import signal
+import stat
+import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -19,28 +33,79 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, ConversionJob, Shard, StrategyFile
+from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes, save_strategy
+from ckptd.runlayout import relative_parts
+from ckptd.service import jobs
 from ckptd.service.catalog import InvalidRequestError, _iso, get_run, get_step
 from ckptd.service.verifier import file_digest, stat_of
 from ckptd.states import ShardState, StepState
 
 CONVERT_LEASE = timedelta(hours=2)
+log = logging.getLogger("ckptd.conversions")
 
 
 def check_source(s: Session, run_name: str, step: int) -> tuple[Checkpoint, dict[int, str], StrategyFile | None]:
+    """The verified save of ``step`` to convert, its verified files by rank and its strategy row.
+    Refuses (400) a step with no verified save, saying what each save of it is and why."""
     run = get_run(s, run_name)
     ckpt = get_step(s, run, step)
     if ckpt.state != StepState.VERIFIED.value:
-        raise InvalidRequestError(
-            f"step {step} of run {run_name!r} is {ckpt.state}, not verified",
-            hint="convert a restorable step (see `ckptd ls RUN --state verified`)",
-        )
+        saves = _saves_of(s, run, step)
+        verified = [c for c in saves if c.state == StepState.VERIFIED.value]
+        if not verified:
+            raise InvalidRequestError(_not_restorable(s, run_name, step, saves or [ckpt]),
+                                      hint="convert a restorable step (see `ckptd ls RUN --state verified`)")
+        ckpt = verified[0]  # two saves of one step (a restart): the restorable one is meant
     files = dict(s.execute(select(Shard.rank, Shard.path).where(
         Shard.checkpoint_id == ckpt.id, Shard.state == ShardState.VERIFIED.value)).all())
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
     return ckpt, files, strategy
+
+
+def _saves_of(s: Session, run: Run, step: int) -> list[Checkpoint]:
+    """Every trained save ``get_step`` could mean by ``step``, newest first."""
+    from sqlalchemy import and_, or_
+
+    return list(s.execute(select(Checkpoint).where(
+        Checkpoint.run_id == run.id, Checkpoint.kind == "trained",
+        or_(Checkpoint.global_step == step, and_(Checkpoint.global_step.is_(None), Checkpoint.step == step)),
+    ).order_by(Checkpoint.epoch.desc(), Checkpoint.incarnation.desc(), Checkpoint.id.desc())).scalars())
+
+
+def _state_detail(s: Session, ckpt: Checkpoint) -> str:
+    """What keeps a save from being restorable, in the words of its state."""
+    state = ckpt.state
+    ranks = dict(s.execute(select(Shard.rank, Shard.state).where(
+        Shard.checkpoint_id == ckpt.id, Shard.state != ShardState.SUPERSEDED.value)).all())
+    if state == StepState.INCOMPLETE.value:
+        present = {r for r, st in ranks.items() if st != ShardState.DELETED.value}
+        if ckpt.reason:
+            return ckpt.reason
+        if ckpt.expected_ranks:
+            missing = sorted(set(range(ckpt.expected_ranks)) - present)
+            return f"ranks {missing} of {ckpt.expected_ranks} have no file" if missing else "not every rank's file is present"
+        return "not every rank's file is present (the world size is not known yet)"
+    if state == StepState.PENDING.value:
+        return "its verification has not finished"
+    if state == StepState.CORRUPT.value:
+        return ckpt.reason or "a shard failed verification"
+    if state == StepState.DELETED.value:
+        gone = sorted(r for r, st in ranks.items() if st == ShardState.DELETED.value)
+        return f"the files of ranks {gone} are gone" if gone else "a shard file is gone"
+    if state == StepState.DELETING.value:
+        return "retention is deleting it"
+    return ckpt.reason or state
+
+
+def _not_restorable(s: Session, run_name: str, step: int, saves: list[Checkpoint]) -> str:
+    if len(saves) == 1:
+        return f"step {step} of run {run_name!r} is {saves[0].state}, not verified: {_state_detail(s, saves[0])}"
+    parts = [("the newest save" if i == 0 else "the save") + f" (epoch {c.epoch}"
+             + (f", incarnation {c.incarnation}" if c.incarnation else "") + f") is {c.state}: {_state_detail(s, c)}"
+             for i, c in enumerate(saves)]
+    return f"step {step} of run {run_name!r} has {len(saves)} saves and none is verified: " + "; ".join(parts)
 
 
 def resolve_target(src: Strategy | None, to_strategy: str | None, to_layout: str | None) -> Strategy | None:
@@ -68,7 +133,11 @@ def convert_step(
     out_key: bytes | None = None,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    node: str | None = None,
 ) -> dict[str, Any]:
+    """Convert ``step`` of ``run_name`` and catalogue the copy (see the module docstring). Run by a
+    :class:`ckptd.service.jobs.JobRunner` job, the conversion is tied to that job; otherwise
+    (``ckptd convert --run``) it records a job of its own, owned by this process on ``node``."""
     from ckptd.convert import convert, plan_conversion
     from ckptd.convert.execute import read_inventory
 
@@ -79,44 +148,85 @@ def convert_step(
         src_id, src_path, src_hash, src_content = ckpt.id, strat_row.path, strat_row.content_hash, strat_row.content
         ckpt.lease_until = datetime.now(timezone.utc) + CONVERT_LEASE
         meta = (ckpt.run_id, ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.global_step)
-    # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
-    src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
-    target = resolve_target(src_strategy, to_strategy, to_layout)
-    target_hash = target.content_hash() if target is not None else "none"
-    out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
-    with sessions.begin() as s:
-        reused = _intact_copy(s, src_id, target_hash, out)
-        if reused is not None:  # converting the same step into the same layout again: it is done
-            s.get(Checkpoint, src_id).lease_until = None
-            return reused
-    plan = plan_conversion(read_inventory(files, key), src_strategy, target)
-    with sessions.begin() as s:
-        job = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
-                            target_strategy_hash=target_hash, out_dir=out, state="running")
-        s.add(job)
-        s.flush()
-        job_id = job.id
+    own_job: int | None = None  # the job this call records when no JobRunner job runs it (ckptd convert --run)
+    heartbeat = jobs.Heartbeat(sessions)
     try:
-        report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
-                         workers=workers, progress=progress)
-        strategy_path = os.path.join(out, "strategy.ckpt") if target is not None else None
-        if target is not None and not os.path.exists(strategy_path):
-            save_strategy(target, strategy_path)
-        derived = _register(sessions, meta, src_id, target, target_hash, strategy_path, report)
-    except BaseException as exc:
+        # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
+        src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
+        target = resolve_target(src_strategy, to_strategy, to_layout)
+        target_hash = target.content_hash() if target is not None else "none"
+        out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
         with sessions.begin() as s:
-            row = s.get(ConversionJob, job_id)
-            row.state, row.error = "failed", (str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__)
-        raise
+            reused = _intact_copy(s, src_id, target_hash, out)
+            if reused is not None:  # converting the same step into the same layout again: it is done
+                return reused
+        plan = plan_conversion(read_inventory(files, key), src_strategy, target)
+        with sessions.begin() as s:
+            row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
+                                target_strategy_hash=target_hash, out_dir=out, state="running")
+            s.add(row)
+            s.flush()
+            conv_id = row.id
+            job_id = jobs.current_job()
+            if job_id is None:
+                params = {"run": run_name, "step": step, "to_strategy": to_strategy, "to_layout": to_layout, "out_dir": out}
+                job_id = own_job = jobs.record_job(s, "convert", meta[0], params, jobs.process_owner(node),
+                                                 state="running").id
+            jobs.link_conversion(s, job_id, conv_id)  # with the row: never a conversion without its owner
+        if own_job is not None:
+            heartbeat.add(own_job)
+        try:
+            report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
+                             workers=workers, progress=_fault_hook(progress))
+            strategy_path = os.path.join(out, "strategy.ckpt") if target is not None else None
+            if target is not None and not os.path.exists(strategy_path):
+                save_strategy(target, strategy_path)
+            derived = _register(sessions, meta, src_id, target, target_hash, strategy_path, report)
+        except BaseException as exc:
+            error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
+            with sessions.begin() as s:
+                row = s.get(ConversionJob, conv_id)
+                row.state, row.error = "failed", error
+                if own_job is not None:
+                    job = s.get(Job, own_job)
+                    job.state, job.error = "failed", error
+            raise
+        with sessions.begin() as s:
+            row = s.get(ConversionJob, conv_id)
+            row.state, row.progress, row.output_checkpoint_id = "done", 1.0, derived
+            doc = conversion_dict(row, s) | {"report": report.to_dict(), "reused": False}
+            if own_job is not None:
+                job = s.get(Job, own_job)
+                job.state, job.done, job.total = "done", 1, 1
+                job.result = json.dumps({k: doc[k] for k in ("id", "out_dir", "output_checkpoint_id")})
+        return doc
     finally:
+        heartbeat.close()
         with sessions.begin() as s:
             src = s.get(Checkpoint, src_id)
             if src is not None:
                 src.lease_until = None
-    with sessions.begin() as s:
-        row = s.get(ConversionJob, job_id)
-        row.state, row.progress, row.output_checkpoint_id = "done", 1.0, derived
-        return conversion_dict(row, s) | {"report": report.to_dict(), "reused": False}
+
+
+def _fault_hook(progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
+    """Test hook: ``CKPTD_FAULT_CONVERT_SIGNAL_AT=<fraction>:<KILL|STOP>`` signals this process
+    once that fraction of the output is written (mid-conversion, the temp tree half full)."""
+    spec = os.environ.get("CKPTD_FAULT_CONVERT_SIGNAL_AT")
+    if not spec:
+        return progress
+    fraction, name = spec.split(":")
+    signum, fired, lock = getattr(signal, f"SIG{name}"), [False], threading.Lock()
+
+    def hooked(done: int, total: int) -> None:
+        if progress is not None:
+            progress(done, total)
+        with lock:
+            if fired[0] or not total or done < float(fraction) * total:
+                return
+            fired[0] = True
+        os.kill(os.getpid(), signum)
+
+    return hooked
 
 
 def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
@@ -203,3 +313,173 @@ def delete_derived(s: Session, ckpt_id: int, root: str) -> list[str]:
         delete_checkpoint_rows(s, copy.id)
     s.execute(ConversionJob.__table__.delete().where(ConversionJob.source_checkpoint_id == ckpt_id))
     return removed
+
+
+# --- conversions left by a dead process ----------------------------------------------------------
+
+
+def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict[str, Any], *,
+                        now: datetime | None = None) -> dict[str, Any]:
+    """Fail the queued/running conversions whose job is no longer live (its process is gone:
+    :func:`ckptd.service.jobs.recover_abandoned` failed it first) and remove their temp trees.
+
+    A conversion without a job (written before conversions recorded one) is abandoned once it
+    was not updated for ``jobs.LEGACY_ABANDON_AFTER``. The source's lease is cut back to at most
+    a resume lease from now (a resume answer given meanwhile may rely on it; the conversion's own
+    two hours are gone). Temp trees of conversions failed as abandoned earlier — by another
+    daemon that could not reach this node's disk — are removed here once their process is
+    certainly gone on this machine. Partial output (rank directories renamed in just before the
+    kill) is never deleted: it is named on the row and in ``report["left"]``."""
+    from ckptd.convert.execute import TMP_PREFIX
+    from ckptd.service.resume import RESUME_LEASE
+
+    now = now or datetime.now(timezone.utc)
+    cleanups: list[tuple[int | None, str, Callable[[str, int], bool]]] = []  # (row id, out_dir, which temp trees)
+    with sessions.begin() as s:
+        links = jobs.conversion_links(s)
+        q = select(ConversionJob).where(ConversionJob.state.in_(jobs.ACTIVE)).order_by(ConversionJob.id)
+        rows = s.execute(repo.for_update(q, s)).scalars().all()
+        abandoned = []
+        for row in rows:
+            job = links.get(row.id)
+            if job is not None:
+                if job.state in jobs.ACTIVE:
+                    continue
+                owner = jobs.job_meta(job).get("owner")
+                why = (job.error or "").removeprefix("abandoned: ") if job.state == "failed" else None
+                why = why or f"its job {job.id} ended ({job.state}) without finishing it"
+            else:
+                owner = None
+                why = jobs.owner_gone(None, row.updated_at, now)
+                if why is None:
+                    continue
+            row.state, row.error = "failed", f"abandoned: {why}"
+            abandoned.append(row)
+            report["conversions"].append({"id": row.id, "why": why})
+            cleanups.append((row.id, row.out_dir, _temp_of(owner)))
+        live = [r for r in rows if r.state in jobs.ACTIVE]
+        reading = {r.source_checkpoint_id for r in live}
+        busy_dirs = {os.path.abspath(r.out_dir) for r in live}
+        for row in abandoned:
+            src = s.get(Checkpoint, row.source_checkpoint_id)
+            if (src is not None and row.source_checkpoint_id not in reading and src.lease_until is not None
+                    and jobs._aware(src.lease_until) > now + RESUME_LEASE):
+                src.lease_until = now + RESUME_LEASE
+        # abandoned earlier by a daemon elsewhere: this machine may hold the temp tree
+        earlier = s.execute(select(ConversionJob.id, ConversionJob.out_dir).where(
+            ConversionJob.state == "failed", ConversionJob.error.startswith("abandoned: "),
+            ConversionJob.id.notin_([r.id for r in abandoned] or [-1]))).all()
+        for conv_id, out in earlier:
+            owner = jobs.job_meta(links[conv_id]).get("owner") if conv_id in links else None
+            if owner and jobs.same_pid_space(owner) and jobs.owner_gone(owner, None, now) is not None:
+                cleanups.append((None, out, _temp_of(owner)))
+    for j in report["conversions"]:
+        log.warning("conversion %s failed as abandoned: %s", j["id"], j["why"])
+    notes: dict[int, str] = {}
+    for conv_id, out, wanted in cleanups:
+        if os.path.abspath(out) in busy_dirs:
+            continue  # a live conversion writes there: its trees are not ours to judge by name
+        removed, refused, partial = _remove_temp_trees(root, out, wanted, TMP_PREFIX)
+        report["removed"] += removed
+        if conv_id is not None:  # said once, when the conversion is failed; not at every start after
+            report["refused"] += refused
+        if conv_id is not None and partial:
+            with sessions() as s:
+                catalogued = {os.path.relpath(p, out).split(os.sep)[0] for p in s.execute(select(Shard.path).where(
+                    Shard.path.startswith(os.path.join(out, ""), autoescape=True))).scalars()}
+            partial = sorted(set(partial) - catalogued)
+            if partial:
+                notes[conv_id] = (f"partial output {partial} left in {out} (not catalogued; remove it before "
+                                  "converting this step into this layout again)")
+                report["left"].append(notes[conv_id])
+    for r in report["removed"]:
+        log.info("removed the temp tree of an abandoned conversion: %s", r)
+    for r in report["refused"] + report["left"]:
+        log.warning("%s", r)
+    if notes:
+        with sessions.begin() as s:
+            for conv_id, note in notes.items():
+                row = s.get(ConversionJob, conv_id)
+                row.error = f"{row.error}; {note}"
+    return report
+
+
+def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
+    """Which temp trees (by the host and pid in their names) belong to a conversion's dead process."""
+    if owner:
+        host, pid = owner.get("host"), owner.get("pid")
+        return lambda h, p: h == host and p == pid
+    # no owner recorded: the trees of this host whose process is not running (as convert itself does)
+    me = jobs._machine()["host"]
+
+    def dead_here(h: str, p: int) -> bool:
+        if h != me:
+            return False
+        try:
+            os.kill(p, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    return dead_here
+
+
+def _open_dir_beneath(root: str, path: str) -> int | None:
+    """A descriptor of directory ``path`` reached from ``root`` one component at a time without
+    following a symlink; None if it is not a real directory inside the root."""
+    parts = relative_parts(root, path)
+    if not parts or any(p in ("", os.curdir, os.pardir) for p in parts):
+        return None
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(root, flags)
+    except OSError:
+        return None
+    try:
+        for part in parts:
+            nxt = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_RANK_DIR = re.compile(r"rank_\d+")
+
+
+def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
+                       tmp_prefix: str) -> tuple[list[str], list[str], list[str]]:
+    """Remove the temp trees ``wanted`` picks in ``out``: (removed paths, refusals, rank directories
+    present in ``out``). Only a real directory named like ckptd's temp tree, in a directory reached
+    beneath ``root`` without a symlink; the tree itself is removed through descriptors
+    (``shutil.rmtree(dir_fd=…)``), so a symlink inside it is unlinked, never followed."""
+    removed: list[str] = []
+    refused: list[str] = []
+    fd = _open_dir_beneath(root, out)
+    if fd is None:
+        if os.path.lexists(out):
+            refused.append(f"{out}: outside the checkpoint root or reached through a symlink; "
+                           "temp data of the abandoned conversion there was not removed")
+        return removed, refused, []
+    name_re = re.compile(re.escape(tmp_prefix) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
+    try:
+        names = os.listdir(fd)
+        for name in names:
+            m = name_re.fullmatch(name)
+            if m is None or not wanted(m["host"], int(m["pid"])):
+                continue
+            path = os.path.join(out, name)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or not shutil.rmtree.avoids_symlink_attacks:
+                refused.append(f"{path}: not a directory (a symlink?); left alone")
+                continue
+            shutil.rmtree(name, dir_fd=fd)
+            removed.append(path)
+        partial = sorted(n for n in names if _RANK_DIR.fullmatch(n))
+    finally:
+        os.close(fd)
+    return removed, refused, partial

@@ -1,21 +1,46 @@
-"""Background jobs with progress stored in the catalog (``jobs`` table): re-verification for now.
+"""Background jobs with progress stored in the catalog (``jobs`` table): re-verification, conversions.
 
 Call order: ``JobRunner(sessions, examine_many, verify_shards, check_step)`` → ``start_verify(...)``
 returns the job immediately → poll ``get_job`` → ``close()``. The verification itself runs
 synchronously, a chunk of shards at a time, on the runner's own thread (one job at a time: jobs
 must not starve live ingest).
+
+Ownership and liveness. A job row names the process that runs it, in ``params["ckptd"]["owner"]``
+(:func:`process_owner`: node, host, pid, the pid's start time, boot id and PID namespace), and
+that process renews the row's ``updated_at`` every ``heartbeat_interval`` while the job is queued
+or running (:class:`Heartbeat`). A conversion is tied to its job (``params["ckptd"]
+["conversion_id"]``; ``ckptd convert --run`` records a job of its own). :func:`recover_abandoned`
+(at daemon start, and periodically) fails the queued/running jobs whose process is gone, then the
+conversions of those jobs, and removes their temp data (:mod:`ckptd.service.conversions`). A
+process is *gone* (:func:`owner_gone`):
+
+* on this machine, in this PID namespace (same boot id and ``/proc/self/ns/pid``): when its pid is
+  not running, is a zombie, or started at another time (the pid was reused) — exact, at once;
+* anywhere else (another node, another container): when it renewed nothing for ``timeout``
+  seconds (the daemon's ``node_timeout``). A live process elsewhere keeps renewing, so a daemon
+  sharing the catalog never fails another daemon's or ``ckptd convert``'s work; the nodes' clocks
+  must agree to well within ``timeout``;
+* a row without an owner (written before ckptd recorded one): no update for
+  ``LEGACY_ABANDON_AFTER`` (the conversion lease: its source was no longer protected anyway).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import os
+import socket
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Job, Run, Shard
 from ckptd.errors import CkptdError
 from ckptd.service.catalog import NotFoundError, _iso, get_run, get_step
@@ -23,21 +48,34 @@ from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.jobs")
 
+ACTIVE = ("queued", "running")  # job and conversion states a live process is responsible for
+HEARTBEAT_INTERVAL = 10.0  # s, the default of settings.heartbeat_interval
+ABANDON_TIMEOUT = 120.0  # s, the default of settings.node_timeout
+LEGACY_ABANDON_AFTER = timedelta(hours=2)  # = conversions.CONVERT_LEASE
+_META = "ckptd"  # the params key of what ckptd records about a job itself (owner, conversion id)
+
 
 def job_dict(job: Job) -> dict[str, Any]:
-    return {
+    params = json.loads(job.params) if job.params else None
+    meta = params.pop(_META, None) if isinstance(params, dict) else None
+    doc = {
         "id": job.id,
         "kind": job.kind,
         "state": job.state,
         "total": job.total,
         "done": job.done,
         "progress": (job.done / job.total) if job.total else (1.0 if job.state == "done" else 0.0),
-        "params": json.loads(job.params) if job.params else None,
+        "params": params,
         "result": json.loads(job.result) if job.result else None,
         "error": job.error,
         "created_at": _iso(job.created_at),
         "updated_at": _iso(job.updated_at),
     }
+    if isinstance(meta, dict):
+        doc["owner"] = meta.get("owner")  # which process runs it (see the module docstring)
+        if meta.get("conversion_id") is not None:
+            doc["conversion_id"] = meta["conversion_id"]
+    return doc
 
 
 def get_job(s: Session, job_id: int) -> dict[str, Any]:
@@ -97,11 +135,220 @@ def reverify(
     return {"shards": states, "step_problems": step_problems}
 
 
+# --- owners, heartbeats, abandoned work ----------------------------------------------------------
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as fh:
+            return fh.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a pid on this machine, or None."""
+    raw = _read_text(f"/proc/{int(pid)}/stat")
+    if raw is None or ")" not in raw:
+        return None
+    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 on; comm may hold spaces
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@functools.cache
+def _machine() -> dict[str, str | None]:
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot": _read_text("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
+
+
+def process_owner(node: str | None = None) -> dict[str, Any]:
+    """This process, as recorded on the jobs it runs (JSON-able)."""
+    m = _machine()
+    stat = _proc_stat(os.getpid())
+    return {"node": node or os.environ.get("CKPTD_NODE_NAME") or m["host"], "host": m["host"], "pid": os.getpid(),
+            "start": stat[1] if stat else None, "boot": m["boot"], "pidns": m["pidns"]}
+
+
+def same_pid_space(owner: dict[str, Any]) -> bool:
+    """True if ``owner``'s pid can be looked up here: this boot of this machine, this PID namespace."""
+    m = _machine()
+    return bool(m["boot"] and m["pidns"]) and owner.get("boot") == m["boot"] and owner.get("pidns") == m["pidns"]
+
+
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)  # SQLite drops the zone; values are UTC
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    return f"its process (pid {owner.get('pid')} on {owner.get('node') or owner.get('host')})"
+
+
+def owner_gone(owner: dict[str, Any] | None, updated_at: datetime | None, now: datetime,
+               timeout: float = ABANDON_TIMEOUT) -> str | None:
+    """Why the process that owns a queued/running row is certainly gone; None while it may be alive."""
+    age = (now - _aware(updated_at)).total_seconds() if updated_at is not None else float("inf")
+    if not owner:
+        if age > LEGACY_ABANDON_AFTER.total_seconds():
+            return f"no process recorded on it and no update for {age:.0f} s"
+        return None
+    who = _describe(owner)
+    if same_pid_space(owner):
+        stat = _proc_stat(int(owner.get("pid") or 0))
+        if stat is None:
+            return f"{who} is not running"
+        state, start = stat
+        if state in ("Z", "X"):
+            return f"{who} has exited"
+        if owner.get("start") is not None and start != owner["start"]:
+            return f"{who} is not running (the pid belongs to a newer process)"
+        return None
+    if age > timeout:
+        return f"{who} renewed nothing for {age:.0f} s (limit {timeout:g} s)"
+    return None
+
+
+def job_meta(job: Job) -> dict[str, Any]:
+    try:
+        params = json.loads(job.params) if job.params else None
+    except ValueError:
+        return {}
+    meta = params.get(_META) if isinstance(params, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def _params_with(params: dict[str, Any], **meta: Any) -> str:
+    out = dict(params)
+    out[_META] = {**(out.get(_META) or {}), **meta}
+    return json.dumps(out, default=str)
+
+
+def record_job(s: Session, kind: str, run_id: int | None, params: dict[str, Any], owner: dict[str, Any], *,
+               state: str = "queued", total: int = 0) -> Job:
+    """A new job row owned by ``owner`` (flushed: its id is set)."""
+    job = Job(kind=kind, run_id=run_id, state=state, total=total, done=0, params=_params_with(params, owner=owner))
+    s.add(job)
+    s.flush()
+    return job
+
+
+def link_conversion(s: Session, job_id: int, conversion_id: int) -> None:
+    """Tie a conversion row to the job running it (in the transaction that creates the row)."""
+    job = s.get(Job, job_id)
+    if job is not None:
+        params = json.loads(job.params) if job.params else {}
+        job.params = _params_with(params if isinstance(params, dict) else {}, conversion_id=conversion_id)
+
+
+def conversion_links(s: Session) -> dict[int, Job]:
+    """conversion id -> the job that runs (or ran) it."""
+    out: dict[int, Job] = {}
+    for job in s.execute(select(Job).where(Job.kind == "convert")).scalars():
+        cid = job_meta(job).get("conversion_id")
+        if isinstance(cid, int):
+            out[cid] = job
+    return out
+
+
+_current_job: contextvars.ContextVar[int | None] = contextvars.ContextVar("ckptd_current_job", default=None)
+
+
+def current_job() -> int | None:
+    """The id of the job whose work is running on this thread (JobRunner), or None."""
+    return _current_job.get()
+
+
+class Heartbeat:
+    """Renews ``updated_at`` of the jobs it holds, while they are queued or running, every
+    ``interval`` seconds from its own thread (see the module docstring)."""
+
+    def __init__(self, sessions: sessionmaker[Session], interval: float = HEARTBEAT_INTERVAL) -> None:
+        self.sessions, self.interval = sessions, interval
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, job_id: int) -> None:
+        with self._lock:
+            self._ids.add(job_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ckptd-job-heartbeat", daemon=True)
+                self._thread.start()
+
+    def discard(self, job_id: int) -> None:
+        with self._lock:
+            self._ids.discard(job_id)
+
+    def beat(self) -> None:
+        with self._lock:
+            ids = sorted(self._ids)
+        if ids:
+            with self.sessions.begin() as s:
+                s.execute(update(Job).where(Job.id.in_(ids), Job.state.in_(ACTIVE))
+                          .values(updated_at=datetime.now(timezone.utc)))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # the catalog is briefly unreachable: the next beat retries
+                log.warning("could not renew the heartbeat of jobs %s", sorted(self._ids), exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, self.interval))
+
+    def __enter__(self) -> "Heartbeat":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: float = ABANDON_TIMEOUT,
+                      now: datetime | None = None) -> dict[str, Any]:
+    """Fail the queued/running jobs and conversions whose process is gone (:func:`owner_gone`),
+    release what their conversions held (the source's lease, see
+    :func:`ckptd.service.conversions.recover_conversions`) and remove their temp data inside
+    ``root``. Work of live processes — this one, another daemon, ``ckptd convert`` — is left alone.
+    Idempotent and cheap: call it at daemon start and periodically. Returns what it did::
+
+        {"jobs": [{"id", "kind", "why"}], "conversions": [{"id", "why"}], "removed": [paths],
+         "refused": [why], "left": [why]}
+    """
+    now = now or datetime.now(timezone.utc)
+    report: dict[str, Any] = {"jobs": [], "conversions": [], "removed": [], "refused": [], "left": []}
+    with sessions.begin() as s:
+        q = select(Job).where(Job.state.in_(ACTIVE)).order_by(Job.id)
+        for job in s.execute(repo.for_update(q, s)).scalars().all():
+            why = owner_gone(job_meta(job).get("owner"), job.updated_at, now, timeout)
+            if why is not None:
+                job.state, job.error = "failed", f"abandoned: {why}"
+                report["jobs"].append({"id": job.id, "kind": job.kind, "why": why})
+    for j in report["jobs"]:
+        log.warning("job %s (%s) failed as abandoned: %s", j["id"], j["kind"], j["why"])
+    from ckptd.service.conversions import recover_conversions
+
+    recover_conversions(sessions, root, report, now=now)
+    return report
+
+
 class JobRunner:
-    def __init__(self, sessions: sessionmaker[Session], examine_many, verify_shards, check_step) -> None:  # noqa: ANN001
+    def __init__(self, sessions: sessionmaker[Session], examine_many, verify_shards, check_step,  # noqa: ANN001
+                 *, node: str | None = None, heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
         self.sessions = sessions
         self._examine, self._verify, self._check_step = examine_many, verify_shards, check_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-jobs")
+        self.owner = process_owner(node)
+        self._heartbeat = Heartbeat(sessions, heartbeat_interval)
+        self._futures: dict[int, Future[None]] = {}
 
     def start_verify(self, run_name: str, step: int | None) -> dict[str, Any]:
         with self.sessions() as s:
@@ -117,11 +364,11 @@ class JobRunner:
         """Record a queued job and run ``work(progress)`` on the runner thread."""
         with self.sessions.begin() as s:
             run = get_run(s, run_name)
-            job = Job(kind=kind, run_id=run.id, state="queued", total=total, done=0, params=json.dumps(params))
-            s.add(job)
-            s.flush()
-            doc = job_dict(job)
-        self._pool.submit(self._run, doc["id"], work)
+            doc = job_dict(record_job(s, kind, run.id, params, self.owner, total=total))
+        self._heartbeat.add(doc["id"])  # queued jobs too: another daemon must see this process alive
+        fut = self._pool.submit(self._run, doc["id"], work)
+        self._futures[doc["id"]] = fut
+        fut.add_done_callback(lambda f, job_id=doc["id"]: f.cancelled() or self._futures.pop(job_id, None))
         return doc
 
     def _set(self, job_id: int, **values: Any) -> None:
@@ -131,8 +378,9 @@ class JobRunner:
                 setattr(job, k, v)
 
     def _run(self, job_id: int, work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> None:
-        self._set(job_id, state="running")
+        token = _current_job.set(job_id)
         try:
+            self._set(job_id, state="running")
             result = work(lambda done, total: self._set(job_id, done=done, total=total))
             self._set(job_id, state="done", result=json.dumps(result, default=str))
         except CkptdError as exc:
@@ -140,6 +388,17 @@ class JobRunner:
         except Exception as exc:  # recorded on the job for the operator; the runner lives on
             log.exception("job %s failed", job_id)
             self._set(job_id, state="failed", error=f"{exc.__class__.__name__}: {exc}")
+        finally:
+            _current_job.reset(token)
+            self._heartbeat.discard(job_id)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for job_id, fut in list(self._futures.items()):
+            if fut.cancelled():  # queued behind the last job when ckptd stopped: it never ran
+                try:
+                    self._set(job_id, state="failed", error="cancelled: ckptd stopped before the job ran")
+                except Exception:
+                    log.warning("could not record job %s as cancelled (the next start fails it)", job_id, exc_info=True)
+        self._futures.clear()
+        self._heartbeat.close()
