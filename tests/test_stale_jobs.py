@@ -424,3 +424,24 @@ def test_a_pid_reused_by_another_process_is_not_the_owner(root, sessions):
     assert jobs.owner_gone(me, None, datetime.now(timezone.utc)) is None
     reused = {**me, "start": me["start"] - 1}  # our pid, but the process that had it started earlier
     assert "belongs to a newer process" in jobs.owner_gone(reused, None, datetime.now(timezone.utc))
+
+
+def test_start_removes_this_machines_tree_of_a_conversion_failed_elsewhere(root, sessions):
+    """Another daemon failed the conversion while this node was down (it could not see this
+    node's disk); at this node's next start its dead process's temp tree goes — at start only."""
+    _run_row(sessions, root)
+    dead = _dead_owner()
+    out = root / "run1" / "converted" / "5-none"
+    tree = out / f"{TMP_PREFIX}{dead['host']}-{dead['pid']}-0123abcd"
+    tree.mkdir(parents=True)
+    conv = _conversion(sessions, str(out), dead)
+    with sessions.begin() as s:  # what the other daemon recorded
+        row = s.get(ConversionJob, conv)
+        row.state, row.error = "failed", "abandoned: its process (pid 1 on elsewhere) renewed nothing for 300 s"
+        for job in s.query(Job).all():
+            job.state, job.error = "failed", row.error
+    periodic = jobs.recover_abandoned(sessions, str(root), at_start=False)
+    assert periodic["removed"] == [] and tree.exists()
+    assert jobs.recover_abandoned(sessions, str(root))["removed"] == [str(tree)] and not tree.exists()
+    with sessions() as s:
+        assert s.get(ConversionJob, conv).state == "failed"

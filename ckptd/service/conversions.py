@@ -319,26 +319,31 @@ def delete_derived(s: Session, ckpt_id: int, root: str) -> list[str]:
 
 
 def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict[str, Any], *,
-                        now: datetime | None = None) -> dict[str, Any]:
+                        now: datetime | None = None, sweep_earlier: bool = True) -> dict[str, Any]:
     """Fail the queued/running conversions whose job is no longer live (its process is gone:
     :func:`ckptd.service.jobs.recover_abandoned` failed it first) and remove their temp trees.
 
     A conversion without a job (written before conversions recorded one) is abandoned once it
     was not updated for ``jobs.LEGACY_ABANDON_AFTER``. The source's lease is cut back to at most
     a resume lease from now (a resume answer given meanwhile may rely on it; the conversion's own
-    two hours are gone). Temp trees of conversions failed as abandoned earlier — by another
-    daemon that could not reach this node's disk — are removed here once their process is
-    certainly gone on this machine. Partial output (rank directories renamed in just before the
-    kill) is never deleted: it is named on the row and in ``report["left"]``."""
+    two hours are gone). ``sweep_earlier`` (once, at start): temp trees of conversions failed as
+    abandoned before — maybe by another daemon that could not reach this node's disk — are
+    removed once their process is certainly gone on this machine. Partial output (rank
+    directories renamed in just before the kill) is never deleted: it is named on the row and in
+    ``report["left"]``."""
     from ckptd.convert.execute import TMP_PREFIX
     from ckptd.service.resume import RESUME_LEASE
 
     now = now or datetime.now(timezone.utc)
     cleanups: list[tuple[int | None, str, Callable[[str, int], bool]]] = []  # (row id, out_dir, which temp trees)
     with sessions.begin() as s:
-        links = jobs.conversion_links(s)
         q = select(ConversionJob).where(ConversionJob.state.in_(jobs.ACTIVE)).order_by(ConversionJob.id)
         rows = s.execute(repo.for_update(q, s)).scalars().all()
+        earlier = s.execute(select(ConversionJob.id, ConversionJob.out_dir).where(
+            ConversionJob.state == "failed", ConversionJob.error.startswith("abandoned: "))).all() if sweep_earlier else []
+        if not rows and not earlier:
+            return report  # the usual case: nothing to judge, one query
+        links = jobs.conversion_links(s)
         abandoned = []
         for row in rows:
             job = links.get(row.id)
@@ -365,10 +370,7 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
             if (src is not None and row.source_checkpoint_id not in reading and src.lease_until is not None
                     and jobs._aware(src.lease_until) > now + RESUME_LEASE):
                 src.lease_until = now + RESUME_LEASE
-        # abandoned earlier by a daemon elsewhere: this machine may hold the temp tree
-        earlier = s.execute(select(ConversionJob.id, ConversionJob.out_dir).where(
-            ConversionJob.state == "failed", ConversionJob.error.startswith("abandoned: "),
-            ConversionJob.id.notin_([r.id for r in abandoned] or [-1]))).all()
+        # abandoned earlier, maybe by a daemon elsewhere: this machine may hold the temp tree
         for conv_id, out in earlier:
             owner = jobs.job_meta(links[conv_id]).get("owner") if conv_id in links else None
             if owner and jobs.same_pid_space(owner) and jobs.owner_gone(owner, None, now) is not None:

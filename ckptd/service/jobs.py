@@ -313,12 +313,15 @@ class Heartbeat:
 
 
 def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: float = ABANDON_TIMEOUT,
-                      now: datetime | None = None) -> dict[str, Any]:
+                      now: datetime | None = None, at_start: bool = True) -> dict[str, Any]:
     """Fail the queued/running jobs and conversions whose process is gone (:func:`owner_gone`),
     release what their conversions held (the source's lease, see
     :func:`ckptd.service.conversions.recover_conversions`) and remove their temp data inside
     ``root``. Work of live processes — this one, another daemon, ``ckptd convert`` — is left alone.
-    Idempotent and cheap: call it at daemon start and periodically. Returns what it did::
+    Idempotent and cheap (one query per table when nothing runs): call it at daemon start, and
+    periodically with ``at_start=False`` (a process elsewhere counts as gone only ``timeout``
+    after its last heartbeat, so a start alone never sees it). ``at_start`` also looks for temp
+    trees this machine holds of conversions another daemon failed while it was down. Returns::
 
         {"jobs": [{"id", "kind", "why"}], "conversions": [{"id", "why"}], "removed": [paths],
          "refused": [why], "left": [why]}
@@ -336,7 +339,7 @@ def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: fl
         log.warning("job %s (%s) failed as abandoned: %s", j["id"], j["kind"], j["why"])
     from ckptd.service.conversions import recover_conversions
 
-    recover_conversions(sessions, root, report, now=now)
+    recover_conversions(sessions, root, report, now=now, sweep_earlier=at_start)
     return report
 
 
