@@ -20,6 +20,7 @@ from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
+from ckptd.service.jobs import recover_abandoned
 from ckptd.service.retention import finish_pending, gc
 from ckptd.service.verifier import Verifier
 from ckptd.settings import Settings
@@ -58,6 +59,10 @@ class Daemon:
         finished = finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())  # a gc a crash interrupted
         if finished:
             log.info("finished %d interrupted retention deletions", finished)
+        recovered = recover_abandoned(self.sessions, str(self.settings.root), timeout=self.settings.node_timeout)
+        if recovered["jobs"] or recovered["conversions"]:
+            log.warning("failed %d jobs and %d conversions left by dead processes; removed %s",
+                        len(recovered["jobs"]), len(recovered["conversions"]), recovered["removed"])
         threading.Thread(target=self._heartbeat_loop, name="ckptd-heartbeat", daemon=True).start()
         self.watcher.start()
         if self.settings.scrub_interval:
@@ -74,6 +79,9 @@ class Daemon:
                 with self.sessions.begin() as s:
                     node_registry.heartbeat(s, self.settings.node_name)
                 finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())
+                # a job of another node's dead process shows up only after node_timeout
+                recover_abandoned(self.sessions, str(self.settings.root), timeout=self.settings.node_timeout,
+                                  at_start=False)
             except Exception:
                 log.exception("heartbeat failed; will retry")
 

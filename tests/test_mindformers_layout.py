@@ -82,8 +82,12 @@ def test_tp2_pp2_newest_whole_step_torn_and_incomplete_skipped(ms, root, catalog
     assert query(catalog_url, "SELECT count(*) FROM shards WHERE path LIKE '%checkpoint_network%'") == [(0,)]
     prefixes = {p for (p,) in query(catalog_url, "SELECT DISTINCT prefix FROM checkpoints")}
     assert prefixes == {"llama"}  # the rank tag never splits a step
-    strategy = query(catalog_url, "SELECT path, stages, world_size, error FROM strategy_files")
-    assert strategy == [(str(root / "job" / "strategy"), 2, 4, None)]  # the four stage files, merged
+    merged = query(catalog_url, "SELECT stages, world_size, error FROM strategy_files WHERE path = :p",
+                   p=str(root / "job" / "strategy"))
+    assert merged == [(2, 4, None)]  # the four stage files, merged (each is also recorded as the rank's file)
+    assert len(query(catalog_url, "SELECT id FROM strategy_files WHERE path LIKE '%ckpt_strategy_rank_%'")) == 4
+    bound = query(catalog_url, "SELECT DISTINCT s.path FROM checkpoints c JOIN strategy_files s ON s.id = c.strategy_id")
+    assert bound == [(str(root / "job" / "strategy"),)]
 
     answer = _resume(catalog_url, "job")
     assert answer["step"] == 20 and answer["global_step"] == 20 and answer["layout"] == "mindformers"
@@ -187,8 +191,10 @@ def test_strategy_files_missing_a_rank_or_disagreeing_are_specific_problems(ms, 
     d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
     d.start()
     try:
-        wait_for(lambda: query(catalog_url, "SELECT error FROM strategy_files"), 30, what="strategy row")
-        (error,) = query(catalog_url, "SELECT error FROM strategy_files")[0]
+        merged_row = "SELECT error FROM strategy_files WHERE path = :p"
+        where = str(root / "job" / "strategy")
+        wait_for(lambda: query(catalog_url, merged_row, p=where), 30, what="strategy row")
+        (error,) = query(catalog_url, merged_row, p=where)[0]
         assert "rank" in error and "3" in error
         wait_for(lambda: _states(catalog_url, "job").get((1, 10, 0)) == "corrupt", 30, what="step 10 corrupt")
         (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]

@@ -200,8 +200,6 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
         srv.stop()
 
 
-@pytest.mark.skipif("recover_abandoned" not in (REPO / "ckptd" / "daemon.py").read_text(),
-                    reason="ckptd/daemon.py does not call jobs.recover_abandoned at start yet")
 def test_serve_restarted_after_a_kill_mid_conversion_recovers_by_itself(ms, root, catalog_url, tmp_path):
     _job(ms, root)
     srv = Serve(tmp_path, root, catalog_url, CKPTD_FAULT_CONVERT_SIGNAL_AT="0.3:STOP")

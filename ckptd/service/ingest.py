@@ -11,7 +11,6 @@ its own step, a strategy file's ingest checks every step bound to an older conte
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import stat as stat_mod
@@ -29,9 +28,8 @@ from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
-from ckptd.format.strategy_merge import load_rank_strategies, merge_rank_strategies
-from ckptd.service import runhints
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
+from ckptd.service import rank_strategies, runhints
 from ckptd.settings import Settings
 from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
 
@@ -429,34 +427,10 @@ class Ingestor:
         return "same"
 
     def _ingest_rank_strategies(self, run_name: str) -> str:
-        """MindFormers' per-rank strategy files: catalogue their merge (the whole layout, equal to
-        ``mindspore.merge_pipeline_strategys``) under the directory's path. A rank missing or
-        stages that disagree make an invalid row whose error says so; steps then report it."""
-        directory = runlayout.rank_strategies_dir(os.path.join(self.root, run_name))
-        mtime_ns = 0
-        try:
-            per_rank = load_rank_strategies(directory)
-            merged = merge_rank_strategies(per_rank, directory)
-            content = encode_strategy(merged)
-            digest, fmt, world, stages, error = merged.content_hash(), "proto", merged.world_size, merged.stages, None
-            for strategy in per_rank.values():
-                if strategy.source_path:
-                    with contextlib.suppress(OSError):
-                        mtime_ns = max(mtime_ns, os.lstat(strategy.source_path).st_mtime_ns)
-        except CkptdError as err:
-            digest, fmt, world, stages, error, content = "invalid", "unknown", 0, 0, str(err), None
+        """MindFormers' per-rank strategy files: this node's are recorded, the run's layout is the
+        merge of every node's (``ckptd.service.rank_strategies``)."""
         with self.sessions.begin() as s:
-            run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
-            fresh = s.execute(select(StrategyFile.id).where(StrategyFile.run_id == run.id, StrategyFile.path == directory,
-                                                            StrategyFile.error == error)).first() is None
-            row = repo.upsert_strategy(s, run, directory, digest, fmt, world, stages, error, content, mtime_ns or None)
-            if error is not None and row.error != error:
-                row.error = error  # the latest reason (a rank file may be missing now, another before)
-            if error is not None and fresh:  # once per new reason, not at every rescan
-                log.warning("per-rank strategy files of run %s are unusable: %s", run_name, error)
-            if error is None:
-                run.world_size = world
-            run_id = run.id
+            run_id = rank_strategies.ingest(s, self.root, run_name).id
         self._follow_layout_changes(run_id)
         return "same"
 
