@@ -89,6 +89,10 @@ class _Outcome:
     seconds: float = 0.0
 
 
+def _aware(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
 class Verifier:
     """Call order: ``submit([ids])`` / ``submit_step(id)`` any time → ``drain()`` → ``close()``."""
 
@@ -102,7 +106,8 @@ class Verifier:
         self.steps = StepJudge(settings, sessions, settings.encryption_key(), index_cache)
         self.key = settings.encryption_key()
         self._cond = threading.Condition()
-        self._pending: dict[int, None] = {}  # shard ids, insertion-ordered (FIFO) and de-duplicated
+        # shard ids -> when they were asked for; insertion-ordered (FIFO) and de-duplicated
+        self._pending: dict[int, datetime] = {}
         self._steps: dict[int, None] = {}  # checkpoint ids waiting for their step checks
         self._inflight: set[int] = set()
         self._active = 0
@@ -125,10 +130,11 @@ class Verifier:
         """Queue shards for verification. An id already queued or being verified is not queued
         again: MindSpore's chmod after the rename must not verify a file twice (a real change
         mid-read is detected by the verification itself, which then re-queues)."""
+        asked = datetime.now(timezone.utc)
         with self._cond:
             for shard_id in shard_ids:
                 if shard_id not in self._inflight:
-                    self._pending[shard_id] = None
+                    self._pending.setdefault(shard_id, asked)
             self._cond.notify_all()
 
     def submit_step(self, ckpt_id: int) -> None:
@@ -151,15 +157,14 @@ class Verifier:
                     # whole batches, not a fair share: splitting a shrinking queue between workers
                     # ends a burst in a tail of tiny batches, each paying two transactions
                     batch = list(itertools.islice(self._pending, _BATCH))
-                    for shard_id in batch:
-                        del self._pending[shard_id]
+                    asked_at = {shard_id: self._pending.pop(shard_id) for shard_id in batch}
                     self._inflight.update(batch)
                 self._active += 1
             try:
                 if step is not None:
                     self._maybe_check_step(step)
                 else:
-                    self._verify_queued(batch)
+                    self._verify_queued(batch, asked_at)
             except Exception:  # a bug must not kill a worker; the shards stay 'complete' and the next rescan re-queues them
                 log.exception("verification of %s failed unexpectedly", f"checkpoint {step}" if step is not None else f"{len(batch)} shards")
             finally:
@@ -168,8 +173,8 @@ class Verifier:
                     self._active -= 1
                     self._cond.notify_all()
 
-    def _verify_queued(self, batch: list[int]) -> None:
-        outcomes = self.verify_shards(batch)
+    def _verify_queued(self, batch: list[int], asked_at: dict[int, datetime]) -> None:
+        outcomes = self.verify_shards(batch, asked_at)
         again = [shard_id for shard_id, state in outcomes.items() if state is None]
         if again:
             with self._cond:  # the file changed while we read it: verify the new version
@@ -221,7 +226,7 @@ class Verifier:
         """Verify one shard now (on-demand re-verification). None: it changed while being read."""
         return self.verify_shards([shard_id]).get(shard_id, ShardState.DELETED)
 
-    def verify_shards(self, shard_ids: list[int]) -> dict[int, ShardState | None]:
+    def verify_shards(self, shard_ids: list[int], asked_at: dict[int, datetime] | None = None) -> dict[int, ShardState | None]:
         """Verify shards and store the verdicts: the files are read outside any transaction, the
         results of each checkpoint's shards are claimed and recorded in one transaction each."""
         with self.sessions() as s:
@@ -237,15 +242,20 @@ class Verifier:
                 continue
             by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
         for ckpt_id in sorted(by_ckpt):
-            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id]))
+            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id], asked_at or {}))
             self._maybe_check_step(ckpt_id)
         return result
 
-    def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]]) -> dict[int, ShardState | None]:
+    def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]],
+                                  asked_at: dict[int, datetime]) -> dict[int, ShardState | None]:
         owner = self.nodes.owner()
         with self.sessions.begin() as s:
             repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards], owner)
+            # verified (by another daemon on a shared root) since we were asked: done, not again
+            done = {sid for sid, at in s.execute(select(Shard.id, Shard.verified_at).where(
+                Shard.id.in_([sid for sid, _, _ in shards]), Shard.verified_at.is_not(None))).all()
+                if sid in asked_at and _aware(at) >= asked_at[sid]}
+            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
             nodes = dict(s.execute(select(Shard.id, Shard.node).where(Shard.id.in_(list(seqs)))).all())
         skipped = {shard_id for shard_id, _, _ in shards if shard_id not in seqs}  # another live node verifies them
         shards = [sh for sh in shards if sh[0] in seqs]
