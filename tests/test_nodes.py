@@ -195,3 +195,46 @@ def test_two_daemons_on_one_shared_directory_split_the_work(ms, tmp_path, pg_url
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_catalog_from_before_nodes_upgrades_and_its_rows_are_claimed_by_the_first_rescan(ms, tmp_path, backend):
+    """Rows catalogued before migration 0006 have no node: the daemon whose rescan sees the files
+    claims them; until then they keep their verdicts (nothing is marked deleted)."""
+    from ckptd.daemon import Daemon
+    from ckptd.settings import Settings
+    from tests.conftest import _fresh_pg_database
+
+    url, drop = (f"sqlite:///{tmp_path / 'old.db'}", lambda: None) if backend == "sqlite" else _fresh_pg_database()
+    try:
+        root = tmp_path / "root"
+        for r in range(TP):
+            _save(ms, root, (r,), 10)
+        engine = make_engine(url)
+        upgrade(engine, "0005")  # a catalog as the previous release left it
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO runs (id, name, path, created_at) VALUES (1, 'run', '%s', CURRENT_TIMESTAMP)" % (root / "run"))
+            conn.exec_driver_sql(
+                "INSERT INTO checkpoints (id, run_id, prefix, epoch, step, kind, layout, state, expected_ranks, pinned, "
+                "marked_bad, created_at, updated_at) VALUES (1, 1, 'net', 1, 10, 'trained', '', 'verified', 4, false, "
+                "false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)")
+            for r in range(TP):
+                p = root / "run" / f"rank_{r}" / "net-1_10.ckpt"
+                st = p.stat()
+                conn.exec_driver_sql(
+                    "INSERT INTO shards (checkpoint_id, rank, path, size, mtime_ns, inode, state, quarantined, verify_seq, "
+                    f"seen_at) VALUES (1, {r}, '{p}', {st.st_size}, {st.st_mtime_ns}, {st.st_ino}, 'verified', false, 0, "
+                    "CURRENT_TIMESTAMP)")
+        upgrade(engine)
+        engine.dispose()
+        assert query(url, "SELECT DISTINCT node FROM shards") == [(None,)]  # the documented placeholder
+        d = Daemon(Settings(root=root, db=url, node_name="node-a", settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
+        d.start()
+        try:
+            wait_for(lambda: query(url, "SELECT DISTINCT node FROM shards") == [("node-a",)], 30, 0.1, "rows claimed")
+            assert query(url, "SELECT DISTINCT state FROM shards") == [("verified",)]
+        finally:
+            d.stop()
+    finally:
+        drop()

@@ -94,13 +94,13 @@ def current_revision(engine: Engine) -> str | None:
         raise CatalogError(f"cannot connect to the catalog: {exc.__class__.__name__}: {exc}".splitlines()[0]) from None
 
 
-def upgrade(engine: Engine) -> tuple[str | None, str]:
-    """Apply migrations up to head; returns (before, after)."""
+def upgrade(engine: Engine, to: str = "head") -> tuple[str | None, str]:
+    """Apply migrations up to ``to`` (head; an older revision only to test upgrades); returns (before, after)."""
     from alembic import command
 
     before = current_revision(engine)
-    command.upgrade(_alembic_config(engine), "head")
-    return before, head_revision()
+    command.upgrade(_alembic_config(engine), to)
+    return before, head_revision() if to == "head" else to
 
 
 def require_current_schema(engine: Engine) -> None:
