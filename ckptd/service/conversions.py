@@ -32,6 +32,7 @@ from typing import Any, Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd import confine, runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
@@ -160,6 +161,11 @@ def convert_step(
             reused = _intact_copy(s, src_id, target_hash, out)
             if reused is not None:  # converting the same step into the same layout again: it is done
                 return reused
+        if out_dir is None or runlayout.relative_parts(root, out) is not None:
+            # an output below the root is written only through real directories: a planted
+            # `converted -> /elsewhere` symlink must not redirect it (ckptd.confine)
+            confine.make_dirs_beneath(root, os.path.dirname(out))
+            confine.check_dir_beneath(root, out)
         plan = plan_conversion(read_inventory(files, key), src_strategy, target)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,

@@ -21,7 +21,7 @@ from typing import Callable
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, defer, sessionmaker
 
-from ckptd import runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import layout_history, repo
 from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
@@ -63,8 +63,17 @@ class Ingestor:
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
         self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
+        self._ignored: dict[str, str] = {}  # path -> why, so each reason is logged once
         # only the node that sees a file judges it (docs/ARCHITECTURE.md, Nodes)
         self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
+
+    def note_ignored(self, path: str, why: str) -> None:
+        """A path that looks like ours but is not taken: say why, once per path and reason."""
+        if self._ignored.get(path) != why:
+            if len(self._ignored) > 10_000:
+                self._ignored.clear()
+            self._ignored[path] = why
+            log.warning("ignoring %r: %s", path, why)
 
     # --- entry points --------------------------------------------------------------------------
 
@@ -217,6 +226,8 @@ class Ingestor:
                 continue
             if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path, real_root=self.real_root):
                 outcomes[path] = "ignored"  # symlinks (file or directory) are never followed out of the root
+                self.note_ignored(path, "named like a checkpoint shard but not a regular file inside the root "
+                                        "(symlink, FIFO, device or directory): not catalogued")
                 continue
             # MindSpore renames into place then chmods 0400; a writable file may still be growing
             # (an operator's cp), so it must be unchanged for settle_seconds first.
@@ -396,6 +407,8 @@ class Ingestor:
     def _strategy_candidates(run_path: str) -> list[str]:
         out = []
         for base in (run_path, os.path.join(run_path, "strategy")):
+            if os.path.islink(base):
+                continue  # a strategy/ directory pointing elsewhere is never read (ckptd.confine)
             try:
                 with os.scandir(base) as it:
                     out += [e.path for e in it if e.is_file(follow_symlinks=False)]
@@ -404,10 +417,12 @@ class Ingestor:
         return sorted(out)
 
     def _ingest_strategy(self, run_name: str, path: str) -> str:
-        try:
-            with open(path, "rb") as fh:
-                mtime_ns = os.fstat(fh.fileno()).st_mtime_ns  # when this layout appeared, if it is new here
-                content = fh.read(MAX_STRATEGY_BYTES + 1)
+        try:  # never through a symlink, never a FIFO or device (ckptd.confine)
+            content, st = confine.read_with_stat(self.root, path, MAX_STRATEGY_BYTES)
+            mtime_ns = st.st_mtime_ns  # when this layout appeared, if it is new here
+        except confine.ConfinementError as err:
+            self.note_ignored(path, err.message)
+            return "ignored"
         except OSError:
             return "ignored"
         try:
@@ -446,7 +461,7 @@ class Ingestor:
         return "same"
 
     def _apply_health(self, s: Session, run: Run, steps: list[Checkpoint]) -> None:
-        records = runhints.read_health(runlayout.health_path(os.path.join(self.root, run.name)))
+        records = runhints.read_health(self.root, runlayout.health_path(os.path.join(self.root, run.name)))
         abnormal = set()
         for file_name, bad in records.items():
             parsed = runlayout.parse_shard_name(file_name, 0)  # the record names rank 0's file

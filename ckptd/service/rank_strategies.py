@@ -18,7 +18,7 @@ import os
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ckptd import runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Run, StrategyFile
 from ckptd.errors import CkptdError
@@ -35,8 +35,9 @@ def ingest(s: Session, root: str, run_name: str) -> Run:
     run = repo.get_or_create_run(s, run_name, run_path)
     local_error = None
     try:
+        confine.check_dir_beneath(root, directory)  # strategy/ may not lead outside the root
         local = load_rank_strategies(directory)
-    except CkptdError as err:  # a damaged or special file here: said on the merge row
+    except CkptdError as err:  # a damaged or special file here, or a symlinked directory: said on the merge row
         local, local_error = {}, str(err)
     for strategy in local.values():
         path = strategy.source_path or directory

@@ -24,6 +24,7 @@ import xxhash
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd import confine
 from ckptd.catalog import repo
 from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Shard, StrategyFile
@@ -59,13 +60,12 @@ def file_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def read_sidecar(path: str) -> dict[str, object] | None:
-    """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present and readable."""
-
+def read_sidecar(root: str, path: str) -> dict[str, object] | None:
+    """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present, a regular
+    file inside the root (never a symlink or FIFO: ``ckptd.confine``) and readable."""
     try:
-        with open(sidecar_for(path), "rb") as fh:
-            data = json.loads(fh.read(4096))
-    except (OSError, ValueError):
+        data = json.loads(confine.read_beneath(root, sidecar_for(path), 4096))
+    except (OSError, ValueError, confine.ConfinementError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -303,7 +303,15 @@ class Verifier:
         if before is None:
             return _Outcome(None)
         t0 = time.perf_counter()
-        values, problems = self._check_file(path)
+        try:
+            # the very file that passed confinement (never a symlink, FIFO or device) is read, by
+            # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
+            with confine.opened(str(self.settings.root), path) as name:
+                values, problems = self._check_file(name, path)
+        except confine.ConfinementError as err:
+            values, problems = {"digest": known_digest}, [(err.code, err.message)]
+        except FileNotFoundError:
+            return _Outcome(None)
         if known_digest is not None and values["digest"] != known_digest:
             problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
             values["digest"] = known_digest  # keep the evidence of what the file was
@@ -316,16 +324,16 @@ class Verifier:
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
         return _Outcome(before, state, values, time.perf_counter() - t0)
 
-    def _check_file(self, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
-        values: dict[str, object] = {"digest": file_digest(path)}
-        report = verify_file(path, self.key, require_crc=self.settings.require_crc, inspect=content_step,
-                             index_cache=self.index_cache)
+    def _check_file(self, name: str, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
+        """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``."""
+        values: dict[str, object] = {"digest": file_digest(name)}
+        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=content_step)
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         if report.ok:
             values["global_step"] = report.inspected
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
-        hint = read_sidecar(path)
-        if hint is not None and (hint.get("size") != os.path.getsize(path) or hint.get("xxh3_128") not in (None, values["digest"])):
+        hint = read_sidecar(str(self.settings.root), path)
+        if hint is not None and (hint.get("size") != os.path.getsize(name) or hint.get("xxh3_128") not in (None, values["digest"])):
             # after the format checks: a CRC error with its byte offset says more than "differs"
             problems.append(("sidecar_mismatch", f"differs from the trainer's .done record (size {hint.get('size')}, "
                                                  f"digest {str(hint.get('xxh3_128'))[:12]}…)"))
