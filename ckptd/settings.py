@@ -20,6 +20,18 @@ class ConfigError(CkptdError):
     default_hint = "see `ckptd config show` and docs/CONFIG.md"
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a bearer token, or None. A token is what follows ``Bearer `` in a
+    header: at least one visible ASCII character, no spaces or control characters. An empty one
+    would make a token set look configured (so ``serve`` would listen beyond loopback) while no
+    request can ever present it."""
+    if not token:
+        return "a token is empty"
+    if not all(0x21 <= ord(c) <= 0x7E for c in token):
+        return "a token has a space, a control or a non-ASCII character"
+    return None
+
+
 class _FileSource(PydanticBaseSettingsSource):
     """Values from the file named by CKPTD_CONFIG (lowest priority after defaults)."""
 
@@ -83,6 +95,15 @@ class Settings(BaseSettings):
         description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",
     )
 
+    @field_validator("tokens", mode="after")
+    @classmethod
+    def _usable_tokens(cls, v: dict[str, str]) -> dict[str, str]:
+        for token in v:
+            problem = token_problem(token)
+            if problem:  # never the token itself in the message: it may be a real one with a typo
+                raise ValueError(f"{problem}: every key of tokens must be a usable bearer token")
+        return v
+
     @field_validator("root", mode="after")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
@@ -118,6 +139,9 @@ class Settings(BaseSettings):
                 parts = line.split()
                 if len(parts) != 2 or parts[0] not in ("read", "report", "admin"):
                     raise ConfigError(f"line {n}: expected '<read|report|admin> <token>'", path=str(self.token_file))
+                problem = token_problem(parts[1])
+                if problem:
+                    raise ConfigError(f"line {n}: {problem}", path=str(self.token_file))
                 found[parts[1]] = parts[0]
         return found
 

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from pydantic import ValidationError
+
 from ckptd import __version__
 from ckptd.cli import catalog_cmds, convert_cmd, files, service
 from ckptd.errors import CkptdError
@@ -37,11 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     except CkptdError as err:
         print(f"ckptd: error: {err}", file=sys.stderr)
         return EXIT_USAGE if err.code == "usage" else EXIT_INVALID
+    except ValidationError as err:  # a setting from a flag, CKPTD_* or the config file
+        print(f"ckptd: error: invalid configuration: {config_problems(err)} "
+              "(hint: see `ckptd config show` and docs/CONFIG.md)", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("ckptd: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return EXIT_OK
+
+
+def config_problems(err: ValidationError) -> str:
+    """One line per problem, without the offending values (a token may be among them)."""
+    out = []
+    for e in err.errors(include_input=False, include_url=False):
+        loc = tuple(e.get("loc", ()))
+        if loc[:1] == ("tokens",):
+            loc = loc[:1] + (("<scope of a token>",) if len(loc) > 1 else ())  # dict keys are the secrets
+        where = ".".join(str(p) for p in loc) or "settings"
+        out.append(f"{where}: {str(e.get('msg', '')).removeprefix('Value error, ')}")
+    return "; ".join(out)
 
 
 def run() -> None:
