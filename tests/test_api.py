@@ -56,7 +56,8 @@ def test_resume_answers_newest_verified_step(ms, root, server):
     doc = r.json()
     assert doc["step"] == 300 and doc["epoch"] == 1 and doc["world_size"] == 2
     assert doc["strategy_file"] == str(root / "run1" / "strategy.ckpt")
-    assert doc["shards"] == [{"rank": r, "path": str(root / "run1" / f"rank_{r}" / "net-1_300.ckpt")} for r in range(2)]
+    assert [{k: e[k] for k in ("rank", "path")} for e in doc["shards"]] == [{"rank": r, "path": str(root / "run1" / f"rank_{r}" / "net-1_300.ckpt")} for r in range(2)]
+    assert {e["node"] for e in doc["shards"]} == {Settings().node_name} and doc["unreachable_nodes"] == []
     assert doc["skipped"] == [] and doc["conversion"] is None
 
 

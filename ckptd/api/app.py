@@ -4,20 +4,39 @@ daemon (watcher + verifier) and the job runner, and stops them on shutdown."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from ckptd import __version__
-from ckptd.api import errors, routes_conversions, routes_resume, routes_runs, routes_system
+from ckptd.api import deps, errors, guard, routes_conversions, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
 from ckptd.service.jobs import JobRunner
 from ckptd.service.resume import ResumeCache
 from ckptd.settings import Settings
 
 
+def preflight(settings: Settings) -> None:
+    """What the daemon would refuse at start, refused before the server starts: an error raised in
+    the lifespan reaches the operator as uvicorn's traceback and "Application startup failed"."""
+    from ckptd.catalog.db import make_engine, require_current_schema
+    from ckptd.errors import CkptdError
+
+    if not os.path.isdir(settings.root):
+        raise CkptdError("checkpoint root is not a directory", path=str(settings.root), hint="create it or pass --root")
+    engine = make_engine(settings.db)
+    try:
+        require_current_schema(engine)
+    finally:
+        engine.dispose()
+
+
 def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
+    """The application; without ``daemon``, ``preflight`` checks the settings first."""
+    if daemon is None:
+        preflight(settings)
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         d = daemon or Daemon(settings)
@@ -39,6 +58,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         version=__version__,
         description="Checkpoint catalog, verification and resume oracle for MindSpore training.",
         lifespan=lifespan,
+        dependencies=[Depends(deps.known_query_only)],
     )
     app.state.settings = settings
     app.state.tokens = settings.all_tokens()
@@ -46,8 +66,9 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     app.state.resume_locks = {}  # one computation per resume question at a time (routes_resume)
     errors.install(app)
     app.add_middleware(routes_resume.ResumeFastPath)  # cached resume answers without the FastAPI stack
-    app.include_router(routes_runs.router)
-    app.include_router(routes_resume.router)
-    app.include_router(routes_conversions.router)
-    app.include_router(routes_system.router)
+    routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router)
+    # bodies: the token is checked before one is read, and its size capped per route
+    app.add_middleware(guard.RequestGuard, routes=[route for router in routers for route in router.routes])
+    for router in routers:
+        app.include_router(router)
     return app

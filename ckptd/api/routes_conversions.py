@@ -7,20 +7,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ckptd.api.deps import AdminScope, ReadScope, RunName, SessionDep
-from ckptd.api.schemas import ConversionRequest, JobOut
+from ckptd.api.errors import responses
+from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
+from ckptd.api.schemas import ConversionOut, ConversionRequest, JobOut
 from ckptd.runlayout import resolves_inside
 from ckptd.service import conversions
 from ckptd.service.catalog import InvalidRequestError
 
-router = APIRouter(prefix="/v1/runs", tags=["conversions"])
+router = APIRouter(prefix="/v1/runs", tags=["conversions"], responses=responses(400, 401, 403, 404, 422))
 
 
-@router.get("/{run}/conversions")
+@router.get("/{run}/conversions", response_model=list[ConversionOut])
 def list_conversions(run: RunName, s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
     return conversions.list_conversions(s, run)
 
 
-@router.post("/{run}/conversions", response_model=JobOut, status_code=202)
+@router.post("/{run}/conversions", response_model=JobOut, status_code=202, responses=responses(409, 413),
+             openapi_extra=max_body(DEFAULT_MAX_BODY))
 def start_conversion(run: RunName, body: ConversionRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     """Convert in the background into ``<root>/<run>/converted/``; poll ``GET /v1/jobs/{id}``.
 

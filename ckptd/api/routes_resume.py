@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import asyncio
 import contextlib
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -21,7 +20,7 @@ from ckptd.api.deps import (
     valid_run_name,
 )
 from ckptd.api.errors import responses
-from ckptd.api.guard import max_body
+from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.schemas import HealthCleared, HealthReport, ResumeAnswer
 from ckptd.service import health
 from ckptd.service.resume import ResumeCache, ResumeOptions
@@ -111,7 +110,7 @@ def post_health(run: RunName, body: HealthReport, request: Request, s: SessionDe
     return Response(status_code=204)
 
 
-@router.delete("/{run}/health", response_model=HealthCleared,
+@router.delete("/{run}/health", response_model=HealthCleared, openapi_extra=max_body(DEFAULT_MAX_BODY),
                responses=responses(413, described={404: "no run of that name in the catalog (detail.code not_found)"}))
 def clear_health(
     run: RunName, s: SessionDep, _: AdminScope,

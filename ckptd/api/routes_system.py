@@ -10,8 +10,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import func, select
 
-from ckptd.api.deps import AdminScope, ReadScope, SessionDep
-from ckptd.api.schemas import GcRequest, JobOut
+from ckptd.api.deps import AdminScope, JobId, ReadScope, RunName, SessionDep
+from ckptd.api.errors import responses, text_route_responses
+from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
+from ckptd.api.schemas import GcOut, GcRequest, HealthzOut, JobOut
 from ckptd.catalog.models import Checkpoint, Run, Shard
 from ckptd.policy import RetentionPolicy
 from ckptd.service import jobs as jobs_svc
@@ -21,7 +23,7 @@ from ckptd.states import StepState
 router = APIRouter(tags=["system"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=HealthzOut, responses=responses(422))
 def healthz(request: Request, s: SessionDep) -> dict[str, Any]:
     s.execute(select(1))
     watcher = request.app.state.daemon.watcher
@@ -29,7 +31,7 @@ def healthz(request: Request, s: SessionDep) -> dict[str, Any]:
             "file_events": watcher.backend, "file_events_lost": watcher.events_lost}
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, responses=text_route_responses(401, 403, 422))
 def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
     verifier = request.app.state.daemon.verifier
     lines = [
@@ -74,20 +76,19 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
     return "\n".join(lines) + "\n"
 
 
-@router.get("/v1/jobs", response_model=list[JobOut])
+@router.get("/v1/jobs", response_model=list[JobOut], responses=responses(401, 403, 422))
 def list_jobs(s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
     return jobs_svc.list_jobs(s)
 
 
-@router.get("/v1/jobs/{job_id}", response_model=JobOut)
-def get_job(job_id: int, s: SessionDep, _: ReadScope) -> dict[str, Any]:
+@router.get("/v1/jobs/{job_id}", response_model=JobOut, responses=responses(401, 403, 404, 422))
+def get_job(job_id: JobId, s: SessionDep, _: ReadScope) -> dict[str, Any]:
     return jobs_svc.get_job(s, job_id)
 
 
-@router.post("/v1/runs/{run}/gc")
-def run_gc(run: str, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
-    from ckptd.api.deps import run_name
-
+@router.post("/v1/runs/{run}/gc", response_model=GcOut, tags=["runs"],
+             responses=responses(400, 401, 403, 404, 413, 422), openapi_extra=max_body(DEFAULT_MAX_BODY))
+def run_gc(run: RunName, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     policy = RetentionPolicy(keep_last=body.keep_last, keep_every=body.keep_every)
     return gc(request.app.state.sessions, str(request.app.state.settings.root), policy,
-              run_name=run_name(run), dry_run=body.dry_run).to_dict()
+              run_name=run, dry_run=body.dry_run).to_dict()

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: bounds of what the catalog stores (steps BIGINT, ids and counts INTEGER on PostgreSQL)
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+#: integers in JSON bodies: at most 2^53 - 1, the largest every JSON implementation (JavaScript,
+#: schema validators parsing numbers as doubles) holds exactly; path and query values are text and
+#: go up to INT64_MAX
+JSON_INT_MAX = 2**53 - 1
+
+#: Text from a client: never a NUL character (PostgreSQL text cannot hold one, and no path, reason
+#: or name has one). Written as a pattern so the OpenAPI document says it too.
+Text = Annotated[str, Field(pattern=r"^[^\x00]*$")]
+StepNumber = Annotated[int, Field(ge=0, le=JSON_INT_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class _Out(BaseModel):
@@ -15,6 +29,7 @@ class ShardRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     rank: int
     path: str
+    node: str | None = Field(description="the node whose daemon saw the file (null: catalogued before nodes existed)")
 
 
 class SubsetShardRef(ShardRef):
@@ -59,6 +74,9 @@ class ResumeAnswer(BaseModel):
     strategy_file: str | None
     strategy_hash: str | None
     shards: list[ShardRef | SubsetShardRef] = Field(description="the file each rank loads (one verified shard per rank)")
+    unreachable_nodes: list[str] = Field(description="nodes holding shards of this step whose daemon is silent: their "
+                                                     "files were verified but cannot be seen now (exclude_unreachable=true "
+                                                     "answers the newest step without them)")
     skipped: list[Skipped] = Field(description="newer steps that were passed over, newest first, with why")
     conversion: ConversionInfo | None = Field(description="set when a target world size was asked and differs")
     mindformers: MindFormersResume | None = Field(description="MindFormers runs: what its own resume needs to load "
@@ -67,27 +85,49 @@ class ResumeAnswer(BaseModel):
 
 class HealthReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    step: int = Field(ge=0)
+    step: StepNumber
     loss: float | None = Field(default=None, description="NaN/inf allowed (send as JSON NaN/Infinity or strings)")
     grad_norm: float | None = None
     overflow: bool = False
 
 
+class HealthCleared(BaseModel):
+    run: str
+    from_step: int | None = Field(description="records at or after this step were removed (null: all of them)")
+    removed: int = Field(description="health records removed")
+    nonfinite_removed: int = Field(description="of which a NaN/inf loss (those rule steps out of resume answers)")
+
+
 class MarkRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str | None = Field(default=None, max_length=2000)
+    reason: Text | None = Field(default=None, max_length=2000)
 
 
 class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    step: int | None = Field(default=None, ge=0, description="one step, or every step of the run when omitted")
+    step: StepNumber | None = Field(default=None, description="one step, or every step of the run when omitted")
 
 
 class GcRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    keep_last: int | None = Field(default=5, ge=1)
-    keep_every: int | None = Field(default=None, ge=1)
+    keep_last: Count | None = 5
+    keep_every: Count | None = None
     dry_run: bool = True
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    code: str = Field(description="machine-readable: invalid_request, invalid_run_name, unauthorized, forbidden, "
+                                  "not_found, no_restorable_step, conflict, payload_too_large, ...")
+    message: str
+    hint: str | None = None
+    skipped: list[Skipped] | None = Field(default=None, description="no_restorable_step: the steps passed over, with why")
+
+
+class ErrorOut(BaseModel):
+    """Every error answer: ``{"detail": {code, message, hint}}``."""
+
+    detail: ErrorDetail
 
 
 class RunOut(_Out):
@@ -114,6 +154,26 @@ class StepOut(_Out):
     strategy_file: str | None
 
 
+class ShardOut(_Out):
+    rank: int
+    path: str
+    state: str
+    size: int
+    digest: str | None
+    format: str | None
+    encryption: str | None
+    crc: str | None
+    global_step: int | None
+    error_code: str | None
+    error: str | None
+    quarantined: bool | None = None
+    verified_at: str | None
+
+
+class StepDetailOut(StepOut):
+    shards: list[ShardOut]
+
+
 class JobOut(_Out):
     id: int
     kind: str
@@ -123,9 +183,38 @@ class JobOut(_Out):
     progress: float
 
 
+class ConversionOut(_Out):
+    id: int
+    state: str
+    source_step: int | None
+    source_strategy_hash: str | None
+    target_strategy_hash: str | None
+    out_dir: str | None
+    output_checkpoint_id: int | None
+    error: str | None
+
+
+class GcOut(_Out):
+    dry_run: bool
+    runs: list[dict[str, Any]] = Field(description="per run: the retention plan (delete/keep with reasons)")
+    deleted_steps: int
+    deleted_files: int
+    refused: list[str]
+
+
+class HealthzOut(_Out):
+    status: str = Field(description="ok when the catalog answers and the workers make progress")
+
+
 class ConversionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    step: int = Field(ge=0, description="a verified step of the run")
-    to_layout: str | None = Field(default=None, pattern=r"^[a-z]+=\d+(,[a-z]+=\d+)*$",
+    """Exactly one of ``to_layout`` / ``to_strategy`` (both or neither: 400)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["to_layout"], "properties": {"to_layout": {"type": "string"}}},
+        {"required": ["to_strategy"], "properties": {"to_strategy": {"type": "string"}}},
+    ]})
+    step: StepNumber = Field(description="a verified step of the run")
+    to_layout: str | None = Field(default=None, max_length=200, pattern=r"^[a-z]+=[0-9]{1,6}(,[a-z]+=[0-9]{1,6})*$",
                                   description="derive the target from the source strategy: tp=..,dp=..[,pp=..]")
-    to_strategy: str | None = Field(default=None, description="a strategy file inside the checkpoint root, or 'none'")
+    to_strategy: Text | None = Field(default=None, max_length=4096,
+                                     description="a strategy file inside the checkpoint root, or 'none'")

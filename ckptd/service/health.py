@@ -1,0 +1,58 @@
+"""Training-health reports from the trainer, and the operator's way to clear them.
+
+``report`` accepts a report for a run the catalog has, or whose directory exists under the
+checkpoint root (a trainer reports from its first step, before its first save, into a directory
+its launcher already created); for any other name it refuses, so a ``report`` token cannot make
+ckptd invent runs. ``clear`` removes a run's records from a step on: one wrong NaN would otherwise
+rule out every checkpoint after it for good.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from ckptd.catalog.models import Run, StepHealth
+from ckptd.catalog.repo import get_or_create_run
+from ckptd.service.catalog import NotFoundError, get_run, report_health
+
+
+def run_directory(root: str, run_name: str) -> str | None:
+    """``<root>/<run>`` if it is a directory itself (not a symlink to one), else None.
+
+    ``run_name`` is a validated name (no separators, never ``..``)."""
+    path = os.path.join(root, run_name)
+    try:
+        return path if stat.S_ISDIR(os.lstat(path).st_mode) else None
+    except (OSError, ValueError):
+        return None
+
+
+def report(s: Session, root: str, run_name: str, step: int, loss: float | None, grad_norm: float | None,
+           overflow: bool) -> None:
+    if s.execute(select(Run.id).where(Run.name == run_name)).first() is None:
+        path = run_directory(root, run_name)
+        if path is None:
+            raise NotFoundError(
+                f"ckptd has not seen a run named {run_name!r}: {os.path.join(root, run_name)} is not a directory",
+                hint="health is reported for a run's directory under the checkpoint root; create it (the trainer's "
+                     "launcher does) or check the run name",
+            )
+        get_or_create_run(s, run_name, path)
+    report_health(s, run_name, step, loss, grad_norm, overflow)
+
+
+def clear(s: Session, run_name: str, from_step: int | None = None) -> dict[str, Any]:
+    """Remove the run's health records at or after ``from_step`` (all of them when None)."""
+    run = get_run(s, run_name)
+    where = [StepHealth.run_id == run.id]
+    if from_step is not None:
+        where.append(StepHealth.step >= from_step)
+    nonfinite = s.execute(select(func.count()).select_from(StepHealth)
+                          .where(*where, StepHealth.loss_nonfinite.is_not(None))).scalar_one()
+    removed = s.execute(delete(StepHealth).where(*where)).rowcount
+    return {"run": run_name, "from_step": from_step, "removed": removed, "nonfinite_removed": nonfinite}
