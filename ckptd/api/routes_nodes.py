@@ -8,10 +8,11 @@ from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 
 from ckptd.api.deps import ReadScope, SessionDep
+from ckptd.api.errors import responses
 from ckptd.catalog import nodes
 from ckptd.service import catalog
 
-router = APIRouter(tags=["nodes"])
+router = APIRouter(tags=["nodes"], responses=responses(401, 403, 422))  # the error answers, for the OpenAPI document
 
 
 @router.get("/v1/nodes")
