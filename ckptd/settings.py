@@ -125,6 +125,17 @@ class Settings(BaseSettings):
                 raise ConfigError("CKPTD_KEY_HEX is not hex") from None
         return None
 
+    def verification_stamp(self) -> str:
+        """What a shard verdict depends on besides the file: the key and the CRC/encryption
+        policies (a digest; the key itself is never stored). Verdicts record it, and a daemon with
+        another stamp re-verifies them (a wrong key must not condemn a run for good)."""
+        import hashlib
+
+        key = self.encryption_key() or b""
+        body = b"\0".join([hashlib.sha256(key).digest() if key else b"", b"crc" if self.require_crc else b"",
+                           b"enc" if self.require_encryption else b""])
+        return hashlib.sha256(body).hexdigest()[:32]
+
     def all_tokens(self) -> dict[str, str]:
         """Token -> scope from ``tokens`` and ``token_file`` (read at start; never logged)."""
         found = dict(self.tokens)

@@ -145,6 +145,9 @@ class Shard(Base):
     # what the step check found in this file (JSON, ckptd.service.stepcheck.ShardFacts), keyed by
     # the verification and the layout it was checked against
     facts: Mapped[str | None] = mapped_column(Text)
+    # the configuration the verdict depended on (Settings.verification_stamp): key, CRC and
+    # encryption policies; another configuration re-verifies instead of trusting the verdict
+    verified_config: Mapped[str | None] = mapped_column(String(32))
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="shards")
 
 

@@ -302,7 +302,9 @@ class Verdict:
     seconds: float
 
 
-_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error")
+_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error", "verified_config")
+#: verdicts that say more about the configuration (key, policies) than about the file
+CONFIG_ERROR_CODES = ("key_required", "not_encrypted", "invalid_key", "wrong_key", "policy", "mode_mismatch")
 _VERDICT_FIELDS = ("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)
 _PG_ARRAY_TYPES = dict.fromkeys(_VERDICT_FIELDS, "varchar[]") | {
     "id": "integer[]", "size": "bigint[]", "mtime": "bigint[]", "inode": "bigint[]", "seq": "integer[]",
@@ -413,11 +415,16 @@ def recompute_step_state(session: Session, ckpt: Checkpoint) -> StepState:
 
 def _shard_failures(session: Session, ckpt_id: int) -> str:
     bad = session.execute(
-        select(Shard.rank, Shard.error).where(Shard.checkpoint_id == ckpt_id, Shard.state == ShardState.CORRUPT.value)
-        .order_by(Shard.rank)
+        select(Shard.rank, Shard.error, Shard.error_code).where(
+            Shard.checkpoint_id == ckpt_id, Shard.state == ShardState.CORRUPT.value).order_by(Shard.rank)
     ).all()
-    text = "; ".join(f"rank {rank}: {error or 'failed verification'}" for rank, error in bad[:3])
-    return text + (f"; and {len(bad) - 3} more ranks" if len(bad) > 3 else "")
+    text = "; ".join(f"rank {rank}: {error or 'failed verification'}" for rank, error, _ in bad[:3])
+    text += f"; and {len(bad) - 3} more ranks" if len(bad) > 3 else ""
+    if bad and all(code in CONFIG_ERROR_CODES for _, _, code in bad):
+        # not data corruption: a daemon restarted with the right key or policy re-verifies them
+        text = ("configuration, not data: the daemon's key or encryption policy does not fit these files "
+                "(restart it with the right --key-file; they are re-verified then): " + text)
+    return text
 
 
 def upsert_strategy(

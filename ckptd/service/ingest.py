@@ -62,6 +62,7 @@ class Ingestor:
         self.submit = submit  # shards need verification
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
+        self.stamp = settings.verification_stamp()
         self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
         self._ignored: dict[str, str] = {}  # path -> why, so each reason is logged once
         # only the node that sees a file judges it (docs/ARCHITECTURE.md, Nodes)
@@ -147,13 +148,25 @@ class Ingestor:
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             rows = s.execute(
-                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state, Shard.node).where(
+                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state, Shard.node,
+                       Shard.verified_config, Shard.error_code).where(
                     Shard.path.startswith(prefix, autoescape=True),
                     Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value,
                                      ShardState.SUPERSEDED.value)),
                 )
             ).all()
-        return {p: (size, mtime, inode, sid, state, node) for p, size, mtime, inode, sid, state, node in rows}
+        return {p: (size, mtime, inode, sid, self._state_now(state, stamp, code), node)
+                for p, size, mtime, inode, sid, state, node, stamp, code in rows}
+
+    def _state_now(self, state: str, stamp: str | None, error_code: str | None) -> str:
+        """A verdict given under another configuration (key, CRC/encryption policy) is not
+        trusted: such a shard is treated like one waiting for verification, so the rescan
+        re-queues it (older rows without a stamp: when their verdict was a configuration error)."""
+        if state not in (ShardState.VERIFIED.value, ShardState.CORRUPT.value):
+            return state
+        if stamp is None:
+            return ShardState.COMPLETE.value if error_code in repo.CONFIG_ERROR_CODES else state
+        return ShardState.COMPLETE.value if stamp != self.stamp else state
 
     @staticmethod
     def _unchanged(entry: os.DirEntry, known: dict[str, tuple]) -> tuple[int, str] | None:

@@ -105,6 +105,7 @@ class Verifier:
         self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
         self.steps = StepJudge(settings, sessions, settings.encryption_key(), index_cache)
         self.key = settings.encryption_key()
+        self.stamp = settings.verification_stamp()
         self._cond = threading.Condition()
         # shard ids -> when they were asked for; insertion-ordered (FIFO) and de-duplicated
         self._pending: dict[int, datetime] = {}
@@ -321,6 +322,7 @@ class Verifier:
             values["error_code"], values["error"] = problems[0][0], "; ".join(msg for _, msg in problems)
         else:
             values["error_code"] = values["error"] = None
+        values["verified_config"] = self.stamp  # what this verdict depended on besides the file
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
         return _Outcome(before, state, values, time.perf_counter() - t0)
 

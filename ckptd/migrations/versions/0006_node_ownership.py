@@ -17,6 +17,12 @@ Only the node that sees a file may judge it (mark it changed or gone, verify, sc
 * ``shards.facts``: what the owning node's step check found in its file (JSON), so a step whose
   files live on several nodes is checked as a whole without any node reading another's files.
 
+``shards.verified_config`` (issue 15, finding 12): a fingerprint of the configuration a verdict
+depended on (the key, ``require_crc``, ``require_encryption``); a daemon started with another
+configuration re-verifies those verdicts instead of trusting them — a wrong key must not leave a
+healthy run ``corrupt`` for good. NULL on older rows (re-verified when their verdict was a
+configuration problem).
+
 A change of ``shards.node`` can change a resume answer (it names each shard's node), so the shards
 UPDATE trigger of 0002 is re-created with it.
 """
@@ -73,6 +79,7 @@ def upgrade() -> None:
     op.add_column('shards', sa.Column('node', sa.String(255), nullable=True))
     op.add_column('shards', sa.Column('claimed_by', sa.String(255), nullable=True))
     op.add_column('shards', sa.Column('facts', sa.Text(), nullable=True))
+    op.add_column('shards', sa.Column('verified_config', sa.String(32), nullable=True))
     op.create_index('ix_shards_node', 'shards', ['node'])
     _recreate_shards_update_trigger(OLD_COLUMNS + ("node",))
 
@@ -80,6 +87,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     _recreate_shards_update_trigger(OLD_COLUMNS)
     op.drop_index('ix_shards_node', table_name='shards')
+    op.drop_column('shards', 'verified_config')
     op.drop_column('shards', 'facts')
     op.drop_column('shards', 'claimed_by')
     op.drop_column('shards', 'node')
