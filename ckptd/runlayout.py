@@ -56,6 +56,8 @@ _SHARD_NAME = re.compile(
 _RANK_TAG = re.compile(r"^(?P<base>.+)_rank_(?P<rank>0|[1-9][0-9]*)(?:_(?P<k>[1-9][0-9]*))?$")
 _RANK_STRATEGY = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
 _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
+MAX_RANK = 1 << 20  # far above any job (a 1M-rank directory is a planted name, not a rank)
+MAX_STEP = (1 << 63) - 1  # the catalog's BIGINT
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +116,25 @@ def is_in_flight(name: str) -> bool:
     return name.endswith(_IN_FLIGHT)
 
 
+def unusable_name(name: str) -> str | None:
+    """Why a directory entry that looks like ours cannot be catalogued (None: nothing wrong)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the name is not valid UTF-8"
+    if name.endswith(SHARD_SUFFIXES) and _SHARD_NAME.match(name) is None:
+        return "not a checkpoint name MindSpore writes (<prefix>-<epoch>_<step>.ckpt|.safetensors)"
+    m = _SHARD_NAME.match(name)
+    if m is not None and max(int(m.group("epoch")), int(m.group("step"))) > MAX_STEP:
+        return f"epoch or step beyond {MAX_STEP}"
+    return None
+
+
 def parse_shard_name(name: str, rank: int) -> tuple[str, int, int, bool, str, int | None] | None:
     """``(prefix, epoch, step, breakpoint, format, incarnation)`` of a shard file name found in
     ``rank``'s directory, or None when it is not a checkpoint name (see the module docstring)."""
     m = _SHARD_NAME.match(name)
-    if m is None:
+    if m is None or max(int(m.group("epoch")), int(m.group("step"))) > MAX_STEP:
         return None
     prefix, incarnation = m.group("prefix"), None
     tag = _RANK_TAG.match(prefix)
@@ -141,7 +157,7 @@ def classify(root: str, path: str) -> PathKind:
         rank_dir = parts[1]
     elif len(parts) == 4 and parts[1] == MF_CHECKPOINT_DIR:
         rank_dir, layout = parts[2], MINDFORMERS
-    if rank_dir is not None and (rank_match := _RANK_DIR.match(rank_dir)):
+    if rank_dir is not None and (rank_match := _RANK_DIR.match(rank_dir)) and int(rank_match.group(1)) <= MAX_RANK:
         rank = int(rank_match.group(1))
         if layout == MINDFORMERS and name == MF_META:
             return MetaName(run, rank)
@@ -253,7 +269,7 @@ def _list_rank_dirs(base: str) -> dict[int, str]:
         with os.scandir(base) as it:
             for entry in it:
                 m = _RANK_DIR.match(entry.name)
-                if m and entry.is_dir(follow_symlinks=False):
+                if m and int(m.group(1)) <= MAX_RANK and entry.is_dir(follow_symlinks=False):
                     found[int(m.group(1))] = entry.path
     except (FileNotFoundError, NotADirectoryError):
         pass

@@ -141,3 +141,27 @@ def test_a_symlinked_converted_directory_cannot_redirect_a_conversion(ms, root, 
         assert query(catalog_url, "SELECT count(*) FROM checkpoints WHERE kind = 'converted'") == [(0,)]
     finally:
         d.stop()
+
+
+def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, caplog):
+    write_tp_strategy(root / "run")
+    for rank in range(2):
+        save_shard(ms, root, "run", rank, 2)
+    os.mkdir(os.path.join(os.fsencode(root), b"bad-\xff-run"))  # not UTF-8
+    (root / "run" / "rank_0" / "net-1_99999999999999999999.ckpt").write_bytes(b"x")  # beyond BIGINT
+    (root / "run" / "rank_99999999999999999999").mkdir()  # an empty, planted rank directory
+    (root / "run2" / "rank_0").mkdir(parents=True)
+    (root / "run2" / "rank_1").mkdir()  # empty: not a rank of this job
+    save_shard(ms, root, "run2", 0, 2)
+    caplog.set_level(logging.WARNING)
+    d = _daemon(root, catalog_url)
+    try:
+        wait_for(lambda: step_states(catalog_url) == {2: "verified"} and
+                 len(query(catalog_url, "SELECT id FROM checkpoints")) == 2, 60, what="both runs' steps")
+        time.sleep(1.5)  # several rescans
+    finally:
+        d.stop()
+    assert query(catalog_url, "SELECT r.name, c.expected_ranks, c.state FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                              "ORDER BY r.name") == [("run", 2, "verified"), ("run2", 1, "verified")]
+    assert "Traceback" not in caplog.text
+    assert caplog.text.count("not valid UTF-8") == 1 and caplog.text.count("beyond") == 1

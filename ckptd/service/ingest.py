@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sqlalchemy import or_, select, update
-from sqlalchemy.orm import Session, defer, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
 from ckptd.catalog import layout_history, repo
@@ -93,6 +93,9 @@ class Ingestor:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
         except FileNotFoundError:
             runs = []
+        for run in [r for r in runs if runlayout.unusable_name(r)]:
+            self.note_ignored(os.path.join(self.root, run), f"run directory skipped: {runlayout.unusable_name(run)}")
+            runs.remove(run)
         for run in runs:
             run_path = os.path.join(self.root, run)
             self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
@@ -101,6 +104,10 @@ class Ingestor:
                     for entry in it:
                         if should_stop():
                             return report  # the catalog is unchanged by what was not examined
+                        why = runlayout.unusable_name(entry.name)
+                        if why is not None and not runlayout.is_in_flight(entry.name):
+                            self.note_ignored(entry.path, why)
+                            continue
                         if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
                             report.shards_seen += 1
                             seen.add(entry.path)
@@ -268,14 +275,14 @@ class Ingestor:
                 run.path = os.path.join(self.root, run_name)
             if run.layout != layout and (run.layout is None or layout == runlayout.MINDFORMERS):
                 run.layout = layout  # a run holds one layout; a MindFormers tree is never taken for native
-            strategy = self._current_strategy(s, run)
+            strategy = rank_strategies.current(s, self.root, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)  # register_shards then locks its history before shards
             if ckpt.incarnation is None and incarnation is not None:
                 ckpt.incarnation = incarnation
             if layout == runlayout.MINDFORMERS and ckpt.health_reason is None and ckpt.state == StepState.INCOMPLETE.value:
-                self._apply_health(s, run, [ckpt])  # rank 0 writes the record before the save itself
+                runhints.apply_health(self.root, run, [ckpt])  # rank 0 writes the record before the save itself
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size
@@ -470,39 +477,8 @@ class Ingestor:
                 return "same"  # no step yet: each new step reads the records itself
             steps = s.execute(select(Checkpoint).where(
                 Checkpoint.run_id == run.id, Checkpoint.kind.in_(RESAVABLE_KINDS))).scalars().all()
-            self._apply_health(s, run, steps)
+            runhints.apply_health(self.root, run, steps)
         return "same"
-
-    def _apply_health(self, s: Session, run: Run, steps: list[Checkpoint]) -> None:
-        records = runhints.read_health(self.root, runlayout.health_path(os.path.join(self.root, run.name)))
-        abnormal = set()
-        for file_name, bad in records.items():
-            parsed = runlayout.parse_shard_name(file_name, 0)  # the record names rank 0's file
-            if parsed is not None and bad:
-                abnormal.add(parsed[:4])  # (prefix, epoch, step, breakpoint)
-        for ckpt in steps:
-            reason = runhints.ABNORMAL_REASON if (ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.kind == "breakpoint") in abnormal else None
-            if ckpt.health_reason != reason:
-                ckpt.health_reason = reason
-
-    def _current_strategy(self, s: Session, run: Run) -> StrategyFile | None:
-        """The newest valid strategy of the run's own directory: the merge of its per-rank files
-        when it has them (MindFormers), else its strategy file. Conversions register the strategy
-        of each copy they write for the run too; a new step is never bound to one."""
-        rows = s.execute(
-            select(StrategyFile).options(defer(StrategyFile.content))  # one query; the blobs are not needed here
-            .where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
-            .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())
-        ).scalars().all()
-        merged_at = runlayout.rank_strategies_dir(os.path.join(self.root, run.name))
-        for row in rows:
-            if row.path == merged_at:
-                return row
-        for row in rows:
-            name = runlayout.classify(self.root, row.path)
-            if isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None:
-                return row
-        return None
 
     def _expected_ranks(self, run: Run, strategy: StrategyFile | None) -> int | None:
         """Strategy file first, then configuration, then the rank directories that exist."""
@@ -510,7 +486,8 @@ class Ingestor:
             return strategy.world_size
         if self.settings.world_size:
             return self.settings.world_size
-        return len(runlayout.rank_dirs(run.path)) or None
+        # rank directories holding a shard: an empty (or planted) rank_<n>/ is not a rank of the job
+        return sum(1 for d in runlayout.rank_dirs(run.path).values() if _holds_a_shard(d)) or None
 
     # --- on demand -----------------------------------------------------------------------------
 
@@ -525,3 +502,11 @@ class Ingestor:
             if step is not None:
                 q = q.where(Checkpoint.step == step)
             return list(s.execute(q).scalars())
+
+
+def _holds_a_shard(directory: str) -> bool:
+    try:
+        with os.scandir(directory) as it:
+            return any(e.name.endswith(runlayout.SHARD_SUFFIXES) for e in it)
+    except OSError:
+        return False

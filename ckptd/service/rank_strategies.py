@@ -6,7 +6,8 @@ so the merge is computed from the catalog — the newest row of every per-rank p
 node's daemon reported it — not from one directory listing. The merge (equal to
 ``mindspore.merge_pipeline_strategys``) is catalogued under the directory's path; steps are bound
 to it. A rank no node has reported, or stages that disagree, make an invalid merge row whose
-error says so (the steps then report it).
+error says so (the steps then report it). :func:`current` is the strategy a new step of a run
+is bound to.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import os
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from ckptd import confine, runlayout
 from ckptd.catalog import repo
@@ -93,3 +94,23 @@ def _record_invalid(s: Session, run: Run, directory: str, error: str) -> None:
         row.error = error  # the latest reason (a rank file may be missing now, another before)
     if fresh:  # once per new reason, not at every rescan
         log.warning("per-rank strategy files of run %s are unusable: %s", run.name, error)
+
+
+def current(s: Session, root: str, run: Run) -> StrategyFile | None:
+    """The newest valid strategy of the run's own directory: the merge of its per-rank files
+    when it has them (MindFormers), else its strategy file. Conversions register the strategy
+    of each copy they write for the run too; a new step is never bound to one."""
+    rows = s.execute(
+        select(StrategyFile).options(defer(StrategyFile.content))  # one query; the blobs are not needed here
+        .where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
+        .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())
+    ).scalars().all()
+    merged_at = runlayout.rank_strategies_dir(os.path.join(root, run.name))
+    for row in rows:
+        if row.path == merged_at:
+            return row
+    for row in rows:
+        name = runlayout.classify(root, row.path)
+        if isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None:
+            return row
+    return None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import os
 
-from ckptd import confine
+from ckptd import confine, runlayout
+from ckptd.catalog.models import Checkpoint, Run
 
 MAX_HINT_BYTES = 16 << 20  # a health record is ~60 bytes per save
 
@@ -38,3 +39,18 @@ def read_health(root: str, path: str) -> dict[str, bool]:
 
 
 ABNORMAL_REASON = "health_ckpts.json: is_health=1 (MindFormers' health monitor flags this save as abnormal)"
+
+
+def apply_health(root: str, run: Run, steps: list[Checkpoint]) -> None:
+    """Set or clear ``health_reason`` of ``steps`` (loaded, locked by the caller) from the run's
+    ``health_ckpts.json``; a record names rank 0's file of a save."""
+    records = read_health(root, runlayout.health_path(os.path.join(root, run.name)))
+    abnormal = set()
+    for file_name, bad in records.items():
+        parsed = runlayout.parse_shard_name(file_name, 0)
+        if parsed is not None and bad:
+            abnormal.add(parsed[:4])  # (prefix, epoch, step, breakpoint)
+    for ckpt in steps:
+        reason = ABNORMAL_REASON if (ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.kind == "breakpoint") in abnormal else None
+        if ckpt.health_reason != reason:
+            ckpt.health_reason = reason
