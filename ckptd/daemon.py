@@ -125,6 +125,15 @@ class Daemon:
             time.sleep(0.05)
         return False
 
+    def stalls(self) -> dict[str, float]:
+        """Threads that made no progress for ``worker_stall_seconds``: name -> seconds busy."""
+        limit = self.settings.worker_stall_seconds
+        out = self.verifier.stalled(limit)
+        since = self.watcher.busy_since
+        if since is not None and time.monotonic() - since > limit:
+            out["ckptd-ingest"] = time.monotonic() - since
+        return out
+
     def stop(self) -> None:
         self._stopping.set()
         self.watcher.stop()

@@ -144,6 +144,7 @@ class Watcher:
         self.rescans = 0
         self.events_lost = 0  # times the event source may have missed changes (each one asks for a rescan)
         self._busy = False
+        self.busy_since: float | None = None  # when the ingest thread began its current batch (/healthz)
         self._rescan_now = False
         self.ready = threading.Event()  # set after the first full rescan
 
@@ -219,6 +220,7 @@ class Watcher:
                 rescan = next_rescan <= now or self._rescan_now
                 self._rescan_now = False
                 self._busy = True  # set under the lock: idle() never sees popped-but-unprocessed work
+                self.busy_since = time.monotonic()
             try:
                 if rescan:
                     self._safe(self._rescan)
@@ -228,6 +230,7 @@ class Watcher:
             finally:
                 with self._cond:
                     self._busy = self._rescan_now
+                    self.busy_since = None
 
     def _rescan(self) -> None:
         report = self.ingestor.rescan(should_stop=lambda: self._stop)

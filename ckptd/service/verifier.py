@@ -112,6 +112,7 @@ class Verifier:
         self._steps: dict[int, None] = {}  # checkpoint ids waiting for their step checks
         self._inflight: set[int] = set()
         self._active = 0
+        self._busy_since: dict[str, float] = {}  # worker -> when its current unit of work began
         self._closed = False
         self._checking: set[int] = set()
         self._check_again: set[int] = set()  # asked for while claimed (see _maybe_check_step)
@@ -161,6 +162,7 @@ class Verifier:
                     asked_at = {shard_id: self._pending.pop(shard_id) for shard_id in batch}
                     self._inflight.update(batch)
                 self._active += 1
+                self._busy_since[threading.current_thread().name] = time.monotonic()
             try:
                 if step is not None:
                     self._maybe_check_step(step)
@@ -170,6 +172,7 @@ class Verifier:
                 log.exception("verification of %s failed unexpectedly", f"checkpoint {step}" if step is not None else f"{len(batch)} shards")
             finally:
                 with self._cond:
+                    self._busy_since.pop(threading.current_thread().name, None)
                     self._inflight.difference_update(batch)
                     self._active -= 1
                     self._cond.notify_all()
@@ -191,6 +194,13 @@ class Verifier:
                     raise TimeoutError("verification still running")
                 self._cond.wait(left)
 
+    def stalled(self, seconds: float) -> dict[str, float]:
+        """Workers busy with one unit of work (a batch, a step check) for longer than ``seconds``:
+        a hung file system or a bug; ``/healthz`` reports them."""
+        now = time.monotonic()
+        with self._cond:
+            return {name: now - t for name, t in self._busy_since.items() if now - t > seconds}
+
     def idle(self) -> bool:
         with self._cond:
             return not (self._pending or self._steps or self._active)
@@ -202,8 +212,11 @@ class Verifier:
             self._pending.clear()
             self._steps.clear()
             self._cond.notify_all()
+        deadline = time.monotonic() + 10  # shutdown is bounded: a worker stuck in I/O is a daemon thread
         for t in self._workers:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("verification worker %s did not stop in time; exiting without it", t.name)
 
     def due_for_scrub(self, root: str, max_age: float, limit: int) -> list[int]:
         """Verified shards under ``root`` whose last verification is older than ``max_age``
