@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI
 
 from ckptd import __version__
-from ckptd.api import deps, errors, guard, routes_conversions, routes_resume, routes_runs, routes_system
+from ckptd.api import deps, errors, guard, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
 from ckptd.service.jobs import JobRunner
 from ckptd.service.resume import ResumeCache
@@ -66,7 +66,8 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     app.state.resume_locks = {}  # one computation per resume question at a time (routes_resume)
     errors.install(app)
     app.add_middleware(routes_resume.ResumeFastPath)  # cached resume answers without the FastAPI stack
-    routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router)
+    routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router,
+               routes_nodes.router)
     # bodies: the token is checked before one is read, and its size capped per route
     app.add_middleware(guard.RequestGuard, routes=[route for router in routers for route in router.routes])
     for router in routers:

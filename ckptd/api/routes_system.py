@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import func, select
 
+from ckptd.api.routes_nodes import node_metric_lines
 from ckptd.api.deps import AdminScope, JobId, ReadScope, RunName, SessionDep
 from ckptd.api.errors import responses, text_route_responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
@@ -72,6 +73,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
     for name, at in latest:
         at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
         lines.append(f'ckptd_recovery_point_seconds{{run="{name}"}} {(now - at).total_seconds():.3f}')
+    lines += node_metric_lines(s, request.app.state.settings.node_timeout)
     lines.append(f"ckptd_up_seconds {time.monotonic() - request.app.state.started:.3f}")
     return "\n".join(lines) + "\n"
 
@@ -91,4 +93,4 @@ def get_job(job_id: JobId, s: SessionDep, _: ReadScope) -> dict[str, Any]:
 def run_gc(run: RunName, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     policy = RetentionPolicy(keep_last=body.keep_last, keep_every=body.keep_every)
     return gc(request.app.state.sessions, str(request.app.state.settings.root), policy,
-              run_name=run, dry_run=body.dry_run).to_dict()
+              run_name=run, dry_run=body.dry_run, owner=request.app.state.daemon.nodes.owner()).to_dict()
