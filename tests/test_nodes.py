@@ -188,10 +188,11 @@ def test_two_daemons_on_one_shared_directory_split_the_work(ms, tmp_path, pg_url
         a.kill()
         _save(ms, shared, range(TP), 200)
         wait_for(lambda: _states(pg_url).get(200) == "verified", 60, 0.2, "step 200 verified by node-b alone")
-        time.sleep(4)  # past node-a's timeout: node-b takes over the files it sees
+        # past node-a's timeout (3 s) node-b takes over the files it sees, at its next rescans
+        total = TP * (len(steps) + 1)
+        wait_for(lambda: dict(query(pg_url, "SELECT node, count(*) FROM shards GROUP BY node")).get("node-b") == total,
+                 30, 0.2, "node-b owns every shard")
         assert set(_states(pg_url).values()) == {"verified"}
-        owners = dict(query(pg_url, "SELECT node, count(*) FROM shards GROUP BY node"))
-        assert owners.get("node-b", 0) == TP * (len(steps) + 1), owners
     finally:
         a.stop()
         b.stop()
