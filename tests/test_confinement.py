@@ -165,3 +165,30 @@ def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, ca
                               "ORDER BY r.name") == [("run", 2, "verified"), ("run2", 1, "verified")]
     assert "Traceback" not in caplog.text
     assert caplog.text.count("not valid UTF-8") == 1 and caplog.text.count("beyond") == 1
+
+
+def test_healthz_reports_a_worker_without_progress(ms, root, catalog_url):
+    """A worker busy with one unit of work past worker_stall_seconds makes /healthz answer 503
+    'stalled' (here: a large shard and a tiny threshold, so the real verification counts as stuck)."""
+    import numpy as np
+
+    from tests.api_helpers import Server
+
+    write_tp_strategy(root / "big", tp=1)
+    big = {"w": np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32),
+           "b": np.zeros(3, np.float32), "pad": np.ones((4096, 16384), np.float32)}  # 256 MiB to verify
+    save_shard(ms, root, "big", 0, 2, tensors=big)
+    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
+                        worker_stall_seconds=0.01)
+    seen: set[tuple[int, str]] = set()
+    with Server(settings) as srv, srv.client() as c:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (503, "stalled") not in seen:
+            r = c.get("/healthz")
+            seen.add((r.status_code, r.json()["status"]))
+            if r.status_code == 503:
+                assert r.json()["stalled"] and all(v > 0.01 for v in r.json()["stalled"].values())
+        wait_for(lambda: query(catalog_url, "SELECT count(*) FROM shards WHERE state = 'verified'") == [(1,)], 60,
+                 what="the big shard verified")
+        wait_for(lambda: c.get("/healthz").json()["status"] == "ok", 30, what="healthy again")  # progress again
+    assert (503, "stalled") in seen

@@ -6,7 +6,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import func, select
 
@@ -24,12 +24,19 @@ from ckptd.states import StepState
 router = APIRouter(tags=["system"])
 
 
-@router.get("/healthz", response_model=HealthzOut, responses=responses(422))
-def healthz(request: Request, s: SessionDep) -> dict[str, Any]:
+@router.get("/healthz", response_model=HealthzOut,
+            responses={**responses(422), 503: {"model": HealthzOut, "description": "a worker made no progress for "
+                                                                                  "worker_stall_seconds"}})
+def healthz(request: Request, response: Response, s: SessionDep) -> dict[str, Any]:
     s.execute(select(1))
-    watcher = request.app.state.daemon.watcher
-    return {"status": "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(), "rescans": watcher.rescans,
-            "file_events": watcher.backend, "file_events_lost": watcher.events_lost}
+    daemon = request.app.state.daemon
+    watcher = daemon.watcher
+    stalled = {name: round(seconds, 3) for name, seconds in daemon.stalls().items()}
+    if stalled:
+        response.status_code = 503  # a load balancer / supervisor acts on the status, not the body
+    return {"status": "stalled" if stalled else "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(),
+            "rescans": watcher.rescans, "file_events": watcher.backend, "file_events_lost": watcher.events_lost,
+            "stalled": stalled}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=text_route_responses(401, 403, 422))

@@ -203,7 +203,10 @@ class GcOut(_Out):
 
 
 class HealthzOut(_Out):
-    status: str = Field(description="ok when the catalog answers and the workers make progress")
+    status: str = Field(description="ok when the catalog answers and the workers make progress; stalled (HTTP 503) "
+                                    "when a verification worker or the ingest thread is stuck")
+    stalled: dict[str, float] = Field(default_factory=dict, description="stuck threads: name -> seconds busy with one "
+                                                                        "unit of work (past worker_stall_seconds)")
 
 
 class ConversionRequest(BaseModel):
