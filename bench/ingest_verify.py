@@ -22,10 +22,23 @@ Each measurement runs on embedded SQLite and on PostgreSQL (a fresh database, dr
    breakpoint saves) are inserted, then shard rows server-side (``INSERT ... SELECT`` over a rank
    series) up to ``--rows``; ``ckptd.catalog.repo.latest_restorable(session, run_id)`` is timed on
    random runs, before and after ``ANALYZE``.
+3. **Several daemons on one shared root** (``--daemons 2``; issue 13). 1 and N real ``ckptd serve``
+   processes, each with its own ``CKPTD_NODE_NAME``, watch ONE root and share ONE PostgreSQL
+   catalog (a fresh database); the same writer process writes the ``--ranks`` x ``--steps`` burst
+   (``paced``: a step every ``--step-interval`` s; ``flood``: back to back). Reported per run: CPU
+   (user+sys, children included, psutil) of every daemon from just before the writer starts to the
+   last step ``verified``, per verified shard; the PostgreSQL backends' CPU for that database; wall
+   time; each daemon's idle CPU; the duplicate-work figure = shard ``verification_events`` / shards
+   (1.00 = every shard verified once) and step checks / steps; how the verifications split between
+   the nodes (each daemon's own ``ckptd_shards_verified_total``, and ``shards.node``). Counts
+   alternate 1, N, 1, N ... over ``--repeat`` reps; the medians' ratios to 1 daemon are printed.
 
     python bench/ingest_verify.py [--ranks 512] [--steps 20] [--rows 1000000]
                                   [--backends sqlite,postgresql] [--modes live,cold] [--budget 75]
                                   [--watch auto|inotify|watchdog|inotify,watchdog]
+                                  [--daemons 2 [--shared-modes paced,flood] [--repeat 3]]
+    # only the shared-root comparison:
+    python bench/ingest_verify.py --daemons 2 --modes '' --rows 0 --backends '' --ranks 128 --steps 4 --repeat 3
 
 PostgreSQL: ``CKPTD_TEST_PG`` (default: the tests' ``postgresql+psycopg://postgres@127.0.0.1:5432/test``
 admin database). Files go to a temp dir under /tmp, removed at exit. The machine's load average
@@ -37,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -45,8 +59,11 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
+import signal
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -507,6 +524,249 @@ def run_query_bench(backend: str, args: argparse.Namespace, tmp: Path) -> dict[s
     return out
 
 
+# --- 3. several daemons on one shared root ---------------------------------------------------
+
+CODE_ROOT = Path(__file__).resolve().parents[1]  # the daemons run this tree's ckptd, like the bench
+_READ_TOKEN = "bench-read-token"
+_IDLE_S = 3.0  # an idle window before the writer starts
+_HOLD_S = 3.0  # after the last step is verified: longer than settle_seconds, so a late duplicate shows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(proc: Any) -> float:
+    """user + system CPU seconds of a psutil process, its reaped children and its live ones."""
+    import psutil
+
+    t = proc.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            c = child.cpu_times()
+            total += c.user + c.system
+    return total
+
+
+class _DaemonProc:
+    """One ``ckptd serve`` process (its own node name) on the shared root and catalog."""
+
+    def __init__(self, name: str, root: Path, url: str, args: argparse.Namespace, log_path: Path) -> None:
+        import psutil
+
+        self.name, self.port, self.log_path = name, _free_port(), log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTD_")}  # nothing from the caller's config
+        env.update(
+            CKPTD_NODE_NAME=name, CKPTD_REQUIRE_CRC="true", CKPTD_VERIFY_WORKERS=str(args.workers),
+            CKPTD_RESCAN_INTERVAL=str(args.rescan_interval), CKPTD_TOKENS=json.dumps({_READ_TOKEN: "read"}),
+            PYTHONPATH=os.pathsep.join([str(CODE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
+        cmd = [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", url, "--port", str(self.port)]
+        self.log = open(log_path, "ab")  # noqa: SIM115 - the child's stdout until stop()
+        self.popen = subprocess.Popen(cmd, env=env, cwd=CODE_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.ps = psutil.Process(self.popen.pid)
+
+    def get(self, path: str) -> str:
+        import urllib.request
+
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                     headers={"Authorization": f"Bearer {_READ_TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.read().decode()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def ready(self) -> bool:
+        if not self.alive():
+            raise RuntimeError(f"daemon {self.name} exited {self.popen.returncode}: {self.log_text()[-2000:]}")
+        try:
+            return bool(json.loads(self.get("/healthz")).get("first_rescan_done"))
+        except OSError:
+            return False
+
+    def verified_total(self) -> int | None:
+        """This process's own count of verdicts it stored (``ckptd_shards_verified_total``)."""
+        with contextlib.suppress(OSError):
+            m = re.search(r"^ckptd_shards_verified_total (\d+)$", self.get("/metrics"), re.MULTILINE)
+            return int(m.group(1)) if m else None
+        return None
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(30)
+        self.log.close()
+
+
+class _PgBackendCpu:
+    """CPU of the PostgreSQL backends serving the bench database (same machine; root may read
+    their /proc), sampled at every poll: a backend that exits between two polls loses its last
+    quarter second, one that lives and exits between two polls is missed."""
+
+    def __init__(self, conn: Any, database: str) -> None:
+        self.conn, self.database = conn, database
+        self.base: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.ok = True
+        self.sample(baseline=True)
+
+    def sample(self, baseline: bool = False) -> None:
+        import psutil
+
+        pids = self.conn.execute(text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"), {"d": self.database}
+        ).scalars().all()
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.AccessDenied:
+                self.ok = False
+                continue
+            except psutil.Error:
+                continue
+            cpu = t.user + t.system
+            if baseline:
+                self.base[pid] = cpu
+            self.last[pid] = cpu
+
+    def seconds(self) -> float:
+        return sum(cpu - self.base.get(pid, 0.0) for pid, cpu in self.last.items()) if self.ok else NAN
+
+
+def run_shared(n: int, mode: str, rep: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """``n`` ``ckptd serve`` processes on one root and one PostgreSQL catalog; the burst written once."""
+    tag = f"shared-{n}-{mode}-{rep}"
+    root = tmp / f"root-{tag}"
+    root.mkdir()
+    write_strategy(root / "job", args.ranks)
+    total = args.ranks * args.steps
+    tsv = str(tmp / f"job-{tag}.tsv")
+    interval = args.step_interval if mode == "paced" else 0.0
+    out: dict[str, Any] = {"daemons": n, "mode": mode, "rep": rep, "shards": total}
+    with fresh_catalog("postgresql", tmp, f"shared{n}") as url:
+        eng = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1), isolation_level="AUTOCOMMIT")
+        procs = [_DaemonProc(f"bench-node-{i + 1}", root, url, args, tmp / f"{tag}-node{i + 1}.log") for i in range(n)]
+        writer = None
+        try:
+            t_ready = time.monotonic() + 90
+            while not all(p.ready() for p in procs):
+                if time.monotonic() > t_ready:
+                    raise RuntimeError("the daemons' initial rescans did not finish within 90 s")
+                time.sleep(0.2)
+            with eng.connect() as conn:
+                nodes = conn.execute(text("SELECT name FROM nodes ORDER BY name")).scalars().all()
+                if len(nodes) != n:
+                    raise RuntimeError(f"{len(nodes)} nodes registered, expected {n}: {nodes}")
+                idle0, t_idle = [_cpu_s(p.ps) for p in procs], time.monotonic()
+                time.sleep(_IDLE_S)  # what a daemon costs with nothing to do (heartbeats, event loop)
+                out["idle_cpu_per_s"] = [(_cpu_s(p.ps) - c) / (time.monotonic() - t_idle) for p, c in zip(procs, idle0)]
+                pg_cpu = _PgBackendCpu(conn, make_url(url).database)
+                cpu0 = [_cpu_s(p.ps) for p in procs]
+                t_cpu0 = time.monotonic()
+                writer = multiprocessing.get_context("spawn").Process(
+                    target=write_job, args=(str(root), "job", args.ranks, args.steps, interval, 0.0, tsv, 1.0))
+                writer.start()
+                end = time.monotonic() + args.budget
+                last_v, last_change, last_report = -1, time.monotonic(), time.monotonic()
+                while True:
+                    v, st = conn.execute(_PROGRESS, {"run": "job"}).first() or (0, 0)
+                    pg_cpu.sample()
+                    now = time.monotonic()
+                    if v >= total and st >= args.steps:
+                        outcome = "done"
+                        break
+                    if not all(p.alive() for p in procs):
+                        outcome = "daemon exited"
+                        break
+                    if now >= end:
+                        outcome = "budget"
+                        break
+                    if v != last_v:
+                        last_v, last_change = v, now
+                    elif now - last_change > args.stall and not writer.is_alive():
+                        outcome = "stalled"
+                        break
+                    if now - last_report > 15:
+                        last_report = now
+                        log.info("    %d/%d shards, %d/%d steps verified", v, total, st, args.steps)
+                    time.sleep(0.25)
+                t_cut = time.time()
+                cpu1 = [_cpu_s(p.ps) if p.alive() else NAN for p in procs]
+                out["cpu_window_s"] = time.monotonic() - t_cpu0
+                out["pg_cpu_s"] = pg_cpu.seconds()
+                writer.join(timeout=1)
+                if writer.is_alive():
+                    writer.terminate()
+                    writer.join()
+                time.sleep(_HOLD_S)  # a duplicate verification arriving late is still counted
+                job_id = conn.execute(text("SELECT id FROM runs WHERE name = 'job'")).scalar()
+                shard_rows = conn.execute(text(
+                    "SELECT s.path, s.state, s.verified_at, s.node FROM shards s "
+                    "JOIN checkpoints c ON s.checkpoint_id = c.id WHERE c.run_id = :r"), {"r": job_id}).all()
+                step_rows = conn.execute(text("SELECT run_id, step, state, updated_at FROM checkpoints")).all()
+                per_shard = conn.execute(text(
+                    "SELECT e.shard_id, count(*) FROM verification_events e JOIN shards s ON s.id = e.shard_id "
+                    "JOIN checkpoints c ON c.id = s.checkpoint_id WHERE c.run_id = :r AND e.kind = 'shard' "
+                    "GROUP BY e.shard_id"), {"r": job_id}).all()
+                twice = [sid for sid, c in per_shard if c > 1]
+                dup_rows = conn.execute(text(
+                    "SELECT s.path, s.node, e.kind, e.outcome, e.at, e.seconds, e.detail FROM verification_events e "
+                    "JOIN shards s ON s.id = e.shard_id WHERE e.shard_id = ANY(:ids) ORDER BY s.path, e.at"),
+                    {"ids": twice[:10]}).all() if twice else []
+                step_events = conn.execute(text(
+                    "SELECT count(*) FROM verification_events e JOIN checkpoints c ON c.id = e.checkpoint_id "
+                    "WHERE c.run_id = :r AND e.kind = 'step'"), {"r": job_id}).scalar()
+            out["verified_by"] = {p.name: p.verified_total() for p in procs}
+        finally:
+            if writer is not None and writer.is_alive():
+                writer.terminate()
+            for p in procs:
+                p.stop()
+            eng.dispose()
+    problems = [ln for p in procs for ln in p.log_text().splitlines()
+                if " WARNING " in ln or " ERROR " in ln or ln.startswith("Traceback")]
+    out["log_problems"], out["log_sample"] = len(problems), problems[:3]
+    renamed = read_renames(tsv)
+    verified = {p: as_epoch(va) for p, st, va, _ in shard_rows if st == "verified"}
+    owned: dict[str, int] = {}
+    for _, _, _, node in shard_rows:
+        owned[node or "(none)"] = owned.get(node or "(none)", 0) + 1
+    out.update(
+        outcome=outcome, written=len(renamed), verified=len(verified), rows=len(shard_rows),
+        distinct_paths=len({p for p, _, _, _ in shard_rows}), owned_by=owned,
+        steps_verified=sum(1 for rid, _, st, _ in step_rows if rid == job_id and st == "verified"),
+        cpu_per_daemon_s=[b - a for a, b in zip(cpu0, cpu1)],
+        shard_events=sum(c for _, c in per_shard), max_events_per_shard=max((c for _, c in per_shard), default=0),
+        step_events=step_events,
+    )
+    # the evidence for any shard verified more than once (events do not name the verifying node)
+    out["duplicates"] = [
+        {"path": p, "owner": node, "kind": kind, "outcome": oc, "at": as_epoch(at), "seconds": sec, "detail": det}
+        for p, node, kind, oc, at, sec, det in dup_rows
+    ]
+    out["cpu_s"] = sum(out["cpu_per_daemon_s"])
+    out["cpu_ms_per_shard"] = 1000 * out["cpu_s"] / len(verified) if verified else NAN
+    out["dup_ratio"] = out["shard_events"] / total if total else NAN
+    out["wall_s"] = max(verified.values(), default=NAN) - min(renamed.values(), default=NAN)
+    out["burst"] = latency_stats(renamed, verified, t_cut)
+    return out
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -515,6 +775,18 @@ def _busy_loop() -> None:
     x = 0
     while True:
         x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+def _code_version() -> str:
+    """The commit of the ckptd tree measured, and whether ckptd/ differs from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(CODE_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(CODE_ROOT), "status", "--porcelain", "--", "ckptd"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{CODE_ROOT} (not a git checkout)"
+    return f"{head}" + (" + uncommitted changes in ckptd/" if dirty else "")
 
 
 def machine_facts(backends: list[str]) -> dict[str, str]:
@@ -532,6 +804,7 @@ def machine_facts(backends: list[str]) -> dict[str, str]:
         with engine.connect() as conn:
             facts["postgresql"] = conn.execute(text("SHOW server_version")).scalar()
         engine.dispose()
+    facts["ckptd code"] = _code_version()
     facts["load average at start (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     return facts
 
@@ -623,7 +896,94 @@ def render_query(args: argparse.Namespace, query: list[dict]) -> list[str]:
     return lines
 
 
-def render(facts: dict[str, str], args: argparse.Namespace, ingest: list[dict], query: list[dict], wall: float) -> str:
+def _med(values: list[float]) -> float:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return NAN
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def render_shared(args: argparse.Namespace, shared: list[dict]) -> list[str]:
+    total = args.ranks * args.steps
+    lines = [
+        "", f"## Several daemons on one shared root: {args.ranks} ranks x {args.steps} steps = {total} shards", "",
+        ("Each daemon is a `ckptd serve` process with its own `CKPTD_NODE_NAME`, all on one root and one "
+         f"fresh PostgreSQL database; verify_workers={args.workers}, require_crc, rescan every "
+         f"{args.rescan_interval:g} s. paced: all ranks of a step renamed at once, a step every "
+         f"{args.step_interval:g} s; flood: every step written back to back. Daemon CPU = user+sys of every daemon "
+         "process (and children) from just before the writer starts to the last step `verified`; PostgreSQL CPU = "
+         "its backends for the bench database over the same window. Verifications / shards = `verification_events` "
+         f"of kind 'shard' over the job's shards, counted {_HOLD_S:g} s after the last step was verified (1.00 = "
+         "no duplicate work); step checks / steps the same for step events. Idle daemon CPU: each daemon over "
+         f"{_IDLE_S:g} s with nothing to do, just before the writer starts. verified by = each daemon's own "
+         "`ckptd_shards_verified_total`; owned by = `shards.node` (the node that registered the row)."), "",
+        ("| daemons | mode | rep | outcome | verified / written | steps | wall: first rename → last verified (s) "
+         "| rename→verified p50 / p99 (s) | daemon CPU s (per daemon) | daemon CPU ms / verified shard "
+         "| PostgreSQL CPU s | idle daemon CPU (ms/s) | shard verifications / shards (max per shard) "
+         "| step checks / steps | verified by | owned by | warnings |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in shared:
+        per = ", ".join(f"{c:.2f}" for c in r["cpu_per_daemon_s"])
+        idle = ", ".join(f"{1000 * c:.0f}" for c in r["idle_cpu_per_s"])
+        by = ", ".join(f"{k.removeprefix('bench-')}: {v}" for k, v in r["verified_by"].items())
+        owned = ", ".join(f"{k.removeprefix('bench-')}: {v}" for k, v in sorted(r["owned_by"].items()))
+        lines.append(
+            f"| {r['daemons']} | {r['mode']} | {r['rep']} | {r['outcome']} | {r['verified']} / {r['written']} "
+            f"| {r['steps_verified']}/{args.steps} | {_f(r['wall_s'])} | {_f(r['burst']['p50'])} / {_f(r['burst']['p99'])} "
+            f"| {r['cpu_s']:.2f} ({per}) | {r['cpu_ms_per_shard']:.2f} | {_f(r['pg_cpu_s'])} | {idle} "
+            f"| {r['shard_events']} / {r['shards']} = {r['dup_ratio']:.3f} ({r['max_events_per_shard']}) "
+            f"| {r['step_events']} / {args.steps} | {by} | {owned} "
+            f"| {r['log_problems']} |"
+        )
+    for r in shared:
+        if not r["duplicates"]:
+            continue
+        by_path: dict[str, list[dict]] = {}
+        for ev in r["duplicates"]:
+            by_path.setdefault(ev["path"], []).append(ev)
+        path, evs = next(iter(by_path.items()))
+        gaps = [b["at"] - a["at"] for a, b in itertools.pairwise(evs)]
+        lines.append(
+            f"\n{r['daemons']} daemons, {r['mode']}, rep {r['rep']}: {r['shard_events'] - r['shards']} verification(s) "
+            f"more than one per shard; e.g. `{os.path.relpath(path, str(Path(path).parents[2]))}` (owner "
+            f"{evs[0]['owner']}): " + ", ".join(f"{e['kind']} {e['outcome']}" for e in evs)
+            + f", {', '.join(f'{g * 1000:.0f} ms' for g in gaps)} apart."
+        )
+    base = min(r["daemons"] for r in shared)
+    lines += ["", f"Medians over reps, each count against {base} daemon(s):", "",
+              ("| mode | daemons | daemon CPU ms / shard | ratio | daemon + PostgreSQL CPU ms / shard | ratio "
+               "| wall (s) | ratio | shard verifications / shards, each rep |"),
+              "|---|---|---|---|---|---|---|---|---|"]
+
+    def both(r: dict) -> float:
+        return 1000 * (r["cpu_s"] + r["pg_cpu_s"]) / r["verified"] if r["verified"] else NAN
+
+    def ms(r: dict) -> float:
+        return r["cpu_ms_per_shard"]
+
+    def wall(r: dict) -> float:
+        return r["wall_s"]
+
+    for mode in dict.fromkeys(r["mode"] for r in shared):
+        rows = [r for r in shared if r["mode"] == mode and r["outcome"] == "done"]
+
+        def med(n: int, key: Any, rows: list[dict] = rows) -> float:
+            return _med([key(r) for r in rows if r["daemons"] == n])
+
+        for n in sorted({r["daemons"] for r in rows}):
+            dups = [f"{r['dup_ratio']:.3f}" for r in rows if r["daemons"] == n]
+            lines.append(
+                f"| {mode} | {n} | {_f(med(n, ms))} | {med(n, ms) / med(base, ms):.2f}x | {_f(med(n, both))} "
+                f"| {med(n, both) / med(base, both):.2f}x | {_f(med(n, wall))} | {med(n, wall) / med(base, wall):.2f}x "
+                f"| {', '.join(dups)} |"
+            )
+    return lines
+
+
+def render(facts: dict[str, str], args: argparse.Namespace, ingest: list[dict], query: list[dict], wall: float,
+           shared: list[dict] | None = None) -> str:
     lines = ["## Machine", "", *(f"- {k}: {v}" for k, v in facts.items())]
     if args.experiment_digest_chunk:
         lines += ["", (f"**EXPERIMENT: `ckptd.service.verifier._DIGEST_CHUNK` monkeypatched to "
@@ -632,7 +992,9 @@ def render(facts: dict[str, str], args: argparse.Namespace, ingest: list[dict], 
         lines += render_ingest(args, ingest)
     if query:
         lines += render_query(args, query)
-    lines += ["", f"Total wall time: {wall:.0f} s. `python bench/ingest_verify.py {' '.join(sys.argv[1:])}`"]
+    if shared:
+        lines += render_shared(args, shared)
+    lines += ["", f"Total wall time: {wall:.0f} s. `python bench/ingest_verify.py {shlex.join(sys.argv[1:])}`"]
     return "\n".join(lines)
 
 
@@ -662,7 +1024,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help="write the daemon's warnings/errors with tracebacks to this file")
     ap.add_argument("--experiment-digest-chunk", type=int, default=0, metavar="MIB",
                     help="EXPERIMENT: monkeypatch the verifier's digest buffer size (shipped: 64 MiB)")
+    ap.add_argument("--daemons", default="", metavar="N[,M...]",
+                    help=("several daemons on one shared root: run these numbers of `ckptd serve` processes "
+                          "(PostgreSQL), each against 1 daemon in the same run (`--daemons 2` = 1 and 2); "
+                          "empty: skip"))
+    ap.add_argument("--shared-modes", default="paced,flood", help="with --daemons: paced (--step-interval), flood")
+    ap.add_argument("--repeat", type=int, default=1, help="with --daemons: alternating repetitions of each count")
     args = ap.parse_args(argv)
+    counts = sorted({int(c) for c in args.daemons.split(",") if c.strip()})
+    args.daemon_counts = sorted({1, *counts}) if counts else []
+    args.shared_modes = [m for m in args.shared_modes.split(",") if m]
+    if not set(args.shared_modes) <= {"paced", "flood"}:
+        ap.error("--shared-modes: paced and/or flood")
     args.modes = [m for m in args.modes.split(",") if m]
     args.watch = [w for w in args.watch.split(",") if w]
     backends = [b for b in args.backends.split(",") if b]
@@ -679,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
 
         verifier_mod._DIGEST_CHUNK = args.experiment_digest_chunk << 20
     t_all = time.perf_counter()
-    facts = machine_facts(backends)
+    facts = machine_facts(backends + (["postgresql"] if args.daemon_counts and "postgresql" not in backends else []))
     hogs = [multiprocessing.get_context("spawn").Process(target=_busy_loop, daemon=True) for _ in range(args.cpu_hog)]
     for hog in hogs:
         hog.start()
@@ -687,6 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
         facts["competing load"] = f"{len(hogs)} busy-loop process(es) for the whole run (a trainer on the same cores)"
     ingest: list[dict] = []
     query: list[dict] = []
+    shared: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-", dir="/tmp"))
     try:
         for backend in backends:
@@ -699,17 +1073,26 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("query %s: populating %d shard rows ...", backend, args.rows)
                 query.append(run_query_bench(backend, args, tmp))
                 log.info("  %s", query[-1])
+        for rep in range(1, args.repeat + 1 if args.daemon_counts else 1):
+            for mode in args.shared_modes:
+                for n in args.daemon_counts:  # alternating, so slow drift of the machine hits every count
+                    log.info("shared root: %d daemon(s), %s, rep %d ...", n, mode, rep)
+                    shared.append(run_shared(n, mode, rep, args, tmp))
+                    log.info("  %s", {k: v for k, v in shared[-1].items() if k not in ("log_sample", "burst")})
     finally:
         for hog in hogs:
             hog.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     facts["load average at end (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(render(facts, args, ingest, query, time.perf_counter() - t_all))
+    print(render(facts, args, ingest, query, time.perf_counter() - t_all, shared))
     for r in ingest:
         for line in r["log_sample"]:
             print(f"{r['backend']}/{r['mode']} daemon log: {line}", file=sys.stderr)
+    for r in shared:
+        for line in r["log_sample"]:
+            print(f"{r['daemons']} daemons/{r['mode']}/{r['rep']} daemon log: {line}", file=sys.stderr)
     if args.json:
-        raw = {"facts": facts, "ingest": ingest, "query": query}
+        raw = {"facts": facts, "ingest": ingest, "query": query, "shared": shared}
         Path(args.json).write_text(json.dumps(raw, indent=1, default=str))
     return 0
 
