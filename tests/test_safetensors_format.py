@@ -333,7 +333,7 @@ def test_truncation_at_every_boundary(tmp_path: Path, good_file: bytes) -> None:
             assert sf.sniff_safetensors(good_file[:16][:cut], cut)  # still recognised as safetensors
 
 
-@pytest.mark.parametrize("length", [2**63, 2**64 - 1, sf.MAX_HEADER_BYTES + 1, 0, 1])
+@pytest.mark.parametrize("length", [2**63, 2**64 - 1, sf.FORMAT_MAX_HEADER_BYTES + 1, 0, 1])
 def test_absurd_header_length(tmp_path: Path, good_file: bytes, length: int) -> None:
     blob = struct.pack("<Q", length) + good_file[8:]
     with pytest.raises(CorruptError) as info:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import types
 
@@ -481,3 +482,78 @@ def test_every_name_the_tree_imports_from_strategy_still_resolves():
     assert not [n for n in wanted if not hasattr(front, n)]
     assert set(front.__all__) >= {"Strategy", "ParamStrategy", "OpItem", "load_strategy", "parse_strategy_bytes",
                                   "save_strategy", "MAX_STRATEGY_BYTES"}
+
+
+# --- `ckptd verify` knows strategy files (issue 15, finding 11) ------------------------------------
+
+
+def _verify(capsys, *argv):
+    from ckptd.cli import main
+
+    capsys.readouterr()
+    rc = main(["verify", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_verify_of_a_conversion_output_checks_its_strategy_file_as_a_strategy(tmp_path, capsys):
+    """The reproducer: `ckptd convert ... --out OUT` then `ckptd verify OUT` called OUT's strategy
+    file (a strategy, not a checkpoint) invalid and exited 1."""
+    from ckptd.cli import main
+    from ckptd.format.checkpoint import write_checkpoint
+
+    src = tmp_path / "src"
+    for r in range(2):
+        (src / f"rank_{r}").mkdir(parents=True)
+        write_checkpoint(src / f"rank_{r}" / "net-1_1.ckpt", [(f"w{i}", np.full((8, 4), r, np.float32)) for i in range(2)],
+                         crc=True)
+    save_strategy(Strategy.build([ParamStrategy(f"w{i}", TensorLayout((2,), (0, -1))) for i in range(2)]), tmp_path / "a.ckpt")
+    out = tmp_path / "out"
+    assert main(["convert", "--src", str(src), "--src-strategy", str(tmp_path / "a.ckpt"), "--to-layout", "tp=1,dp=1",
+                 "--out", str(out)]) == 0
+    (strategy_file,) = [p for p in out.iterdir() if p.is_file() and p.suffix == ".ckpt"]
+    rc, text = _verify(capsys, str(out))
+    assert rc == 0, text
+    assert f"ok   {strategy_file} (strategy proto, 2 parameter layouts, 1 stage x 1 device)" in text
+    assert f"ok   {out / 'rank_0' / 'checkpoint_0.ckpt'} (ckpt, 2 entries, crc valid)" in text
+    assert "2 valid, 0 invalid" in text
+    rc, text = _verify(capsys, "--json", "--require-crc", str(out))  # strategies have no CRC to require
+    doc = json.loads(text)
+    assert rc == 0 and doc["ok"]
+    rows = {os.path.basename(f["path"]): f for f in doc["files"]}
+    assert rows[strategy_file.name]["kind"] == "strategy" and rows[strategy_file.name]["format"] == "proto"
+    assert rows[strategy_file.name]["strategy"]["content_hash"] == load_strategy(strategy_file).content_hash()
+    assert rows["checkpoint_0.ckpt"]["kind"] == "checkpoint" and "strategy" not in rows["checkpoint_0.ckpt"]
+
+
+def test_verify_tells_strategies_from_checkpoints_by_content(tmp_path, capsys):
+    from ckptd.format.checkpoint import write_checkpoint
+
+    run = tmp_path / "run"
+    (run / "rank_0").mkdir(parents=True)
+    (run / "strategy").mkdir()
+    write_checkpoint(run / "rank_0" / "net-1_2.ckpt", [("w", np.ones((2, 2), np.float32))])
+    s = Strategy.build([ParamStrategy("w", TensorLayout((2,), (0, -1)))], op_items=[OpItem("MatMul-op0", 0, ((2, 1),))])
+    save_strategy(s, run / "strategy.ckpt")
+    save_strategy(s, run / "strategy" / "ckpt_strategy_rank_0.ckpt")
+    save_strategy(s, tmp_path / "s.json")
+    rc, text = _verify(capsys, str(run), str(tmp_path / "s.json"))
+    assert rc == 0 and "4 valid, 0 invalid" in text and "(strategy json, 1 parameter layouts, 1 stage x 2 devices)" in text
+    # a damaged strategy file is invalid, as a strategy file
+    good = (run / "strategy.ckpt").read_bytes()
+    (run / "strategy.ckpt").write_bytes(good[: len(good) - 3])
+    rc, text = _verify(capsys, "--json", str(run))
+    rows = {os.path.basename(f["path"]): f for f in json.loads(text)["files"]}
+    assert rc == 1 and rows["strategy.ckpt"]["kind"] == "strategy"
+    assert [p["code"] for p in rows["strategy.ckpt"]["problems"]] == ["malformed_strategy"]
+    assert rows["ckpt_strategy_rank_0.ckpt"]["ok"] and rows["net-1_2.ckpt"]["ok"]
+    # a padded one is refused by the limits, with its own code
+    (run / "strategy.ckpt").write_bytes(good + b"\x7a" + b"\x80\x80\x80\x01" + bytes(1 << 21))
+    rc, text = _verify(capsys, "--json", str(run / "strategy.ckpt"))
+    assert rc == 1 and json.loads(text)["files"][0]["problems"][0]["code"] == "limit_exceeded"
+    # what is not a strategy by its first byte is still a checkpoint with its own diagnosis
+    (run / "rank_0" / "junk.ckpt").write_bytes(b"\xff" * 32)
+    (run / "rank_0" / "empty.ckpt").write_bytes(b"")
+    rc, text = _verify(capsys, "--json", str(run / "rank_0"))
+    rows = {os.path.basename(f["path"]): f for f in json.loads(text)["files"]}
+    assert rows["junk.ckpt"]["kind"] == "checkpoint" and rows["junk.ckpt"]["problems"][0]["code"] == "unknown_format"
+    assert rows["empty.ckpt"]["kind"] == "checkpoint" and rows["empty.ckpt"]["problems"][0]["code"] == "truncated"

@@ -1,6 +1,14 @@
 """``ckptd inspect`` and ``ckptd verify``: the file-level public contract (see docs/CLI.md).
 
 JSON output carries a ``schema`` key; fields are only ever added within a schema version.
+
+``ckptd verify`` checks every file as what its bytes say it is (``verify.sniff_kind``), whatever
+its name: MindSpore's strategy files end in ``.ckpt`` too and sit beside checkpoints (a run's
+``strategy.ckpt`` and ``strategy/*_rank_<r>.ckpt``, a conversion's ``strategy_*.ckpt``). A
+strategy file is valid when it parses as a ``ParallelStrategyMap`` (or JSON strategy) whose
+layouts agree; its line reads ``ok   PATH (strategy proto, N parameter layouts, S stage(s) x D
+devices)``, its JSON row has ``"kind": "strategy"`` (checkpoints: ``"checkpoint"``) and a
+``strategy`` summary, and ``--require-crc`` does not apply to it (the format has no CRC).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Any, Iterator
 from ckptd.errors import CkptdError
 from ckptd.format import crypto
 from ckptd.format.checkpoint import open_checkpoint
-from ckptd.format.verify import FileReport, verify_file
+from ckptd.format.verify import FileReport, verify_path
 
 INSPECT_SCHEMA = "ckptd.inspect/1"
 VERIFY_SCHEMA = "ckptd.verify/1"
@@ -29,8 +37,17 @@ def register(sub: Any) -> None:
     p.add_argument("--no-crc", action="store_true", help="skip recomputing the CRC (avoids a full read)")
     p.set_defaults(handler=cmd_inspect)
 
-    v = sub.add_parser("verify", help="check checkpoint files completely; exit 0 only if all are valid")
-    v.add_argument("paths", nargs="*", metavar="PATH", help="files, or directories searched for *.ckpt/*.safetensors")
+    v = sub.add_parser(
+        "verify",
+        help="check checkpoint (and strategy) files completely; exit 0 only if all are valid",
+        description="Check files completely. Each file is checked as what its bytes say it is: a checkpoint "
+        "(.ckpt, encrypted .ckpt, safetensors), or a MindSpore strategy file (which is also named *.ckpt, e.g. a "
+        "run's strategy.ckpt or a conversion's strategy_*.ckpt), valid when it parses and its layouts agree. "
+        "Exit 0 only if every file is valid.",
+    )
+    v.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files, or directories searched for *.ckpt/*.safetensors (strategy files among them are "
+                   "checked as strategies)")
     v.add_argument("--run", help="re-verify a catalogued run instead of files (with --step: one step)")
     v.add_argument("--step", type=int, help="with --run: only this step")
     v.add_argument("--db", metavar="URL", help="with --run: catalog URL")
@@ -39,7 +56,9 @@ def register(sub: Any) -> None:
     v.add_argument("--key-file", metavar="F", help="file holding the raw decryption key bytes")
     v.add_argument("--json", action="store_true", help="machine-readable output (schema ckptd.verify/1)")
     v.add_argument(
-        "--require-crc", action="store_true", help="treat a .ckpt without a CRC trailer as invalid (catches cuts at record boundaries)"
+        "--require-crc", action="store_true",
+        help="treat a .ckpt without a CRC trailer as invalid (catches cuts at record boundaries); not applied to "
+        "strategy files, which have no CRC",
     )
     v.set_defaults(handler=cmd_verify)
 
@@ -148,14 +167,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not args.paths:
         raise CkptdError("nothing to verify", hint="ckptd verify PATH... or ckptd verify --run R [--step S]")
     key = _key(args)
-    reports = [verify_file(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
+    reports = [verify_path(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
     ok = all(r.ok for r in reports)
     if args.json:
         json.dump({"schema": VERIFY_SCHEMA, "ok": ok, "files": [r.to_dict() for r in reports]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for r in reports:
-            if r.ok:
+            if r.ok and r.kind == "strategy" and r.strategy is not None:
+                stages, devices = r.strategy["stages"], r.strategy["devices_per_stage"]
+                print(f"ok   {r.path} (strategy {r.format}, {r.entries} parameter layouts, {stages} "
+                      f"stage{'s' if stages != 1 else ''} x {devices} device{'s' if devices != 1 else ''})")
+            elif r.ok:
                 enc = f", {r.encryption}" if r.encryption else ""
                 print(f"ok   {r.path} ({r.format}{enc}, {r.entries} entries, crc {r.crc})")
             for p in r.problems:

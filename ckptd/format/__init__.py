@@ -1,7 +1,8 @@
 """MindSpore's on-disk formats, read and written byte-compatibly (see docs/FORMATS.md).
 
 Public surface: ``open_checkpoint``, ``write_checkpoint``, ``verify_file``, ``TensorEntry``,
-``TypedArray``, ``EncMode``, ``load_strategy``. Everything else in this package is an
+``TypedArray``, ``EncMode``, ``load_strategy``, and the limits on what a file may make ckptd build
+(``FormatLimits``, ``StrategyLimits``, ``LimitExceededError``). Everything else in this package is an
 implementation detail. Names resolve lazily so importing one submodule stays cheap.
 """
 
@@ -19,4 +20,7 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "FileReport": "ckptd.format.verify",
     "verify_file": "ckptd.format.verify",
     "load_strategy": "ckptd.format.strategy",
+    "FormatLimits": "ckptd.format.limits",
+    "StrategyLimits": "ckptd.format.limits",
+    "LimitExceededError": "ckptd.format.limits",
 })

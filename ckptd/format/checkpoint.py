@@ -27,6 +27,7 @@ from ckptd.format.crc import crc32, parallel_crc32
 from ckptd.format.dtypes import numpy_dtype
 from ckptd.format.entry import TensorEntry
 from ckptd.format.index_cache import IndexCache
+from ckptd.format.limits import DEFAULT_LIMITS, FormatLimits, LimitExceededError
 from ckptd.format.source import ByteSource, MmapSource
 
 Format = Literal["ckpt", "safetensors"]
@@ -186,9 +187,12 @@ def open_checkpoint(
     mode: crypto.EncMode | None = None,
     workers: int | None = None,
     index_cache: IndexCache | None = None,
+    limits: FormatLimits = DEFAULT_LIMITS,
 ) -> CheckpointFile:
     """Open and index a checkpoint. ``key`` decrypts encrypted ``.ckpt`` files (mode auto-detected).
-    ``index_cache`` reuses the record index of a plaintext ``.ckpt`` opened before, unchanged."""
+    ``index_cache`` reuses the record index of a plaintext ``.ckpt`` opened before, unchanged.
+    ``limits`` bounds what indexing may build (:mod:`ckptd.format.limits`); a file beyond them
+    raises :class:`~ckptd.format.limits.LimitExceededError`."""
     path = os.fspath(path)
     fmt, enc = sniff_format(path)
     if enc is None and key is not None:
@@ -206,7 +210,7 @@ def open_checkpoint(
         raise exc.with_path(path) from None
     try:
         if fmt == "safetensors":
-            sti = st_fmt.index_safetensors(source)
+            sti = st_fmt.index_safetensors(source, limits=limits)
             crc = None if sti.crc_stored is None else CrcInfo(sti.crc_stored, None)
             entries = {e.name: e for e in sti.entries}
             return CheckpointFile(path, fmt, None, entries, crc, dict(sti.metadata), (), source, sti)
@@ -214,8 +218,13 @@ def open_checkpoint(
         if index_cache is not None and isinstance(source, MmapSource):
             cache_key = index_cache.key_for(path, source.stat)
             idx = index_cache.get(cache_key)
+            if idx is not None and idx.records > limits.max_entries:  # cached under larger limits
+                raise LimitExceededError(
+                    f"{idx.records} records: more than the limit of {limits.max_entries} entries per checkpoint file",
+                    offset=0,
+                )
         if idx is None:
-            idx = ckpt_fmt.index_ckpt(source)
+            idx = ckpt_fmt.index_ckpt(source, limits=limits)
             if index_cache is not None and isinstance(source, MmapSource):
                 index_cache.put(cache_key, idx)
         crc = None if idx.crc is None else CrcInfo(idx.crc.stored, idx.crc.offset)

@@ -22,6 +22,14 @@ MindSpore specifics:
   process, so two MindSpore saves of the same tensors differ in that order. We write the keys in
   the order MindSpore inserts them (format, remove_redundancy, Int4 names sorted, crc_num); every
   other byte (tensor order, offsets, separators, padding, data) is identical.
+
+Reading the header. Every writer built on the ``safetensors`` library (MindSpore, and ckptd's
+own) emits serde_json's compact form: ``{"__metadata__":{...},"name":{"dtype":"F32","shape":[..],
+"data_offsets":[b,e]},...}`` with no spaces. A scanner reads that form entry by entry into the
+index without building JSON objects, up to :data:`~ckptd.format.limits.MAX_HEADER_BYTES`. Any
+other JSON goes through the general JSON parser, whose objects cost ~20 times the text, so only
+up to :data:`~ckptd.format.limits.MAX_JSON_HEADER_BYTES`; it also produces every error message
+for headers the scanner stops at (both give the same index and the same errors where both apply).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,10 +50,22 @@ from ckptd.format import dtypes as dt
 from ckptd.format.atomic import atomic_write
 from ckptd.format.crc import crc32, crc32_combine, parallel_crc32
 from ckptd.format.entry import TensorEntry
+from ckptd.format.limits import (
+    DEFAULT_LIMITS,
+    MAX_HEADER_BYTES,
+    MAX_JSON_HEADER_BYTES,
+    FormatLimits,
+    LimitExceededError,
+)
 from ckptd.format.source import ByteSource
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-"""Largest JSON header accepted (the Rust reference rejects > 100 MB too): bounds our allocation."""
+FORMAT_MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""The format's own ceiling (the Rust reference refuses larger headers): a length field beyond it
+is not a safetensors header. ckptd's limit, :data:`MAX_HEADER_BYTES`, is lower."""
+
+__all__ = ["FORMAT_MAX_HEADER_BYTES", "MAX_HEADER_BYTES", "MAX_JSON_HEADER_BYTES", "SafetensorsIndex",
+           "array_view", "compute_crc", "crc32_zeros", "crc_of_items", "encode_header", "index_safetensors",
+           "sniff_safetensors", "write_safetensors"]
 
 METADATA_KEY = "__metadata__"
 INT4_MARKER = "Int4"
@@ -91,7 +112,7 @@ class SafetensorsIndex:
 def sniff_safetensors(head: bytes, file_size: int) -> bool:
     """Whether ``head`` (the first >= 9 bytes) starts a safetensors file.
 
-    True when the length field is plausible (2..MAX_HEADER_BYTES) and the JSON starts with ``{``.
+    True when the length field is plausible (2..FORMAT_MAX_HEADER_BYTES) and the JSON starts with ``{``.
     The file size is deliberately *not* required to cover the header: a truncated safetensors
     file should be indexed (and reported as truncated), not called an unknown format. Protobuf
     ``.ckpt`` files (0x0A, a varint, 0x0A, the name length, the name...) and encrypted ones
@@ -100,34 +121,193 @@ def sniff_safetensors(head: bytes, file_size: int) -> bool:
     if len(head) < 9 or file_size < 9:
         return False
     (n,) = struct.unpack_from("<Q", head, 0)
-    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
+    return 2 <= n <= FORMAT_MAX_HEADER_BYTES and head[8:9] == b"{"
 
 
-def index_safetensors(source: ByteSource) -> SafetensorsIndex:
+def index_safetensors(source: ByteSource, *, limits: FormatLimits = DEFAULT_LIMITS) -> SafetensorsIndex:
     """Parse and validate the header; never reads tensor data.
 
     Raises :class:`TruncatedError` when the file is shorter than its header says,
-    :class:`UnsupportedDtypeError` for dtypes MindSpore does not write, and :class:`CorruptError`
-    for everything else malformed; each carries the absolute byte offset of the problem.
+    :class:`UnsupportedDtypeError` for dtypes MindSpore does not write,
+    :class:`~ckptd.format.limits.LimitExceededError` beyond ``limits`` (header bytes, entries) and
+    :class:`CorruptError` for everything else malformed; each carries the absolute byte offset of
+    the problem.
     """
     size = source.size
     if size < 8:
         raise TruncatedError(f"file has {size} bytes; a safetensors file starts with an 8-byte header length", offset=size)
     (n,) = struct.unpack("<Q", bytes(source.view(0, 8)))
-    if n > MAX_HEADER_BYTES:
-        raise CorruptError(f"header length field says {n} bytes (limit {MAX_HEADER_BYTES})", offset=0)
+    if n > FORMAT_MAX_HEADER_BYTES:
+        raise CorruptError(f"header length field says {n} bytes (the format's limit is {FORMAT_MAX_HEADER_BYTES})", offset=0)
+    if n > limits.max_header_bytes:
+        raise LimitExceededError(f"header length field says {n} bytes, more than ckptd's limit of {limits.max_header_bytes}",
+                                 offset=0)
     if n < 2:
         raise CorruptError(f"header length field says {n} bytes; the smallest header is '{{}}'", offset=0)
     data_start = 8 + n
     if data_start > size:
         raise TruncatedError(f"header needs bytes 8..{data_start} but the file has {size}", offset=size)
-    raw = bytes(source.view(8, n))
-    header = _parse_header(raw)
-    metadata = _parse_metadata(header.pop(METADATA_KEY, None), raw)
-    entries = [_parse_entry(name, info, metadata, raw, data_start) for name, info in header.items()]
+    view = source.view(8, n)  # scanned in place: no copy of a header that may be 64 MiB
+    try:
+        scanned = _scan_compact(view, data_start, limits.max_entries, limits.max_shape_dims)
+    finally:
+        release = getattr(source, "release", None)
+        if release is not None:  # the header's pages are done with: keep RSS to the index
+            release(8, n)
+    raw: bytes | memoryview = view
+    if isinstance(scanned, tuple):
+        entries, metadata = scanned
+    else:
+        if n > limits.max_json_header_bytes:
+            raise LimitExceededError(
+                f"the header is not in the compact form safetensors writers emit (from byte {8 + scanned} on), and at "
+                f"{n} bytes it is beyond ckptd's limit of {limits.max_json_header_bytes} for other JSON",
+                offset=8 + scanned,
+                hint="a MindSpore header is compact JSON: this one is damaged or was written by another tool; "
+                "if it is genuine, raise max_json_header_bytes (FormatLimits)",
+            )
+        raw = bytes(view)
+        header = _parse_header(raw)
+        metadata = _parse_metadata(header.pop(METADATA_KEY, None), raw)
+        if len(header) > limits.max_entries:
+            raise LimitExceededError(f"header holds {len(header)} tensors, more than the limit of {limits.max_entries} "
+                                     "entries per checkpoint file", offset=8)
+        shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+        entries = [_parse_entry(name, info, metadata, raw, data_start, shapes) for name, info in header.items()]
+        del header
+        if sum(len(shape) for shape in shapes) > limits.max_shape_dims:
+            raise _too_many_dims(limits.max_shape_dims, 0)
     _check_coverage(entries, data_start, size)
     entries.sort(key=lambda e: e.name)
     return SafetensorsIndex(entries, metadata, data_start, _parse_crc(metadata, raw))
+
+
+# The compact form, token by token. A JSON string without raw control characters (escapes are
+# decoded by json.loads, which also refuses bad ones); integers as JSON writes them (no sign,
+# no leading zero) of at most 20 digits; at most 64 dims; dtype names of safetensors' alphabet.
+_STR = rb'"(?:[^"\\\x00-\x1f]|\\.)*"'
+_INT = rb"(?:0|[1-9][0-9]{0,19})"
+_ENTRY = re.compile(
+    rb"(" + _STR + rb'):\{"dtype":"([A-Za-z0-9_]{1,32})","shape":\[((?:' + _INT + rb"(?:," + _INT + rb"){0,63})?)\],"
+    rb'"data_offsets":\[(' + _INT + rb"),(" + _INT + rb")\]\}"
+)
+_META_START = b'"__metadata__":{'
+_META_PAIR = re.compile(rb"(" + _STR + rb"):(" + _STR + rb")")
+_JSON_SPACE_TO_END = re.compile(rb"[ \t\n\r]*\Z")
+_STR_CACHE_MAX = 64
+_SHAPE_CACHE_KEY, _SHAPE_CACHE_MAX = 64, 1 << 16  # shapes shared by their text: short ones, a bounded number
+
+
+def _json_string(token: bytes) -> str | None:
+    """The text of one JSON string token, or None when it is not valid (the JSON parser will say why)."""
+    try:
+        if b"\\" in token:
+            value = json.loads(token)
+            return value if isinstance(value, str) else None
+        return token[1:-1].decode("utf-8")
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _too_many_dims(limit: int, pos: int) -> LimitExceededError:
+    return LimitExceededError(f"the distinct shapes of the tensors have more than {limit} dims (the limit per "
+                              "checkpoint file)", offset=8 + pos)
+
+
+def _scan_compact(raw: bytes | memoryview, data_start: int, max_entries: int,
+                  max_shape_dims: int) -> tuple[list[TensorEntry], dict[str, str]] | int:
+    """Index a header in serde_json's compact form, or the offset in ``raw`` where it is not.
+
+    Raises what the general path would raise for a compact header (duplicate names first, then
+    the first bad entry; the limit of entries as soon as it is crossed)."""
+    if raw[:1] != b"{":
+        return 0
+    pos = 1
+    metadata: dict[str, str] = {}
+    if raw[pos : pos + len(_META_START)] == _META_START:
+        meta_at = pos
+        pos += len(_META_START)
+        if raw[pos : pos + 1] != b"}":
+            while True:
+                m = _META_PAIR.match(raw, pos)
+                if m is None:
+                    return pos
+                key, value = _json_string(m.group(1)), _json_string(m.group(2))
+                if key is None or value is None or key in metadata:
+                    return pos
+                metadata[key] = value
+                pos = m.end()
+                if raw[pos : pos + 1] != b",":
+                    break
+                pos += 1
+        if raw[pos : pos + 1] != b"}":
+            return pos
+        pos += 1
+        if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+            raise CorruptError("__metadata__ must map strings to strings", offset=8 + meta_at)
+        if raw[pos : pos + 1] == b",":
+            pos += 1
+            if raw[pos : pos + 1] == b"}":  # a trailing comma is not JSON
+                return pos
+        elif raw[pos : pos + 1] != b"}":
+            return pos
+    entries: list[TensorEntry] = []
+    count = shape_dims = 0
+    seen: set[str] = set()
+    dtypes: dict[bytes, str] = {}
+    shapes: dict[bytes, tuple[int, ...]] = {}
+    first_error: CkptdError | None = None
+    duplicate: str | None = None
+    if raw[pos : pos + 1] != b"}":
+        while True:
+            m = _ENTRY.match(raw, pos)
+            if m is None:
+                return pos
+            token, st_raw, shape_raw, begin, end = m.groups()
+            name = _json_string(token)
+            if name is None or name == METADATA_KEY:
+                return pos
+            count += 1
+            if count > max_entries:
+                raise LimitExceededError(
+                    f"header holds more than {max_entries} tensors (the limit of entries per checkpoint file)",
+                    offset=8 + pos,
+                )
+            if name in seen and duplicate is None:
+                duplicate = name
+            seen.add(name)
+            st_dtype = dtypes.get(st_raw)
+            if st_dtype is None:
+                st_dtype = dtypes.setdefault(st_raw, st_raw.decode("ascii")) if len(dtypes) < _STR_CACHE_MAX else st_raw.decode("ascii")
+            shape = shapes.get(shape_raw)
+            if shape is None:
+                shape = tuple(int(d) for d in shape_raw.split(b",")) if shape_raw else ()
+                shape_dims += len(shape)
+                if shape_dims > max_shape_dims:
+                    raise _too_many_dims(max_shape_dims, pos)
+                if len(shape_raw) <= _SHAPE_CACHE_KEY and len(shapes) < _SHAPE_CACHE_MAX:
+                    shapes[shape_raw] = shape
+            if first_error is None:  # after an error: only scan on (a duplicate name is reported first)
+                try:
+                    entries.append(_make_entry(name, st_dtype, shape, int(begin), int(end), metadata, raw, data_start))
+                except CkptdError as err:
+                    first_error = err
+                    entries.clear()
+            pos = m.end()
+            if raw[pos : pos + 1] != b",":
+                break
+            pos += 1
+        if raw[pos : pos + 1] != b"}":
+            return pos
+    pos += 1
+    if _JSON_SPACE_TO_END.match(raw, pos) is None:
+        return pos
+    if duplicate is not None:
+        raise CorruptError(f"header names {duplicate!r} twice", offset=_key_offset(raw, duplicate))
+    if first_error is not None:
+        raise first_error
+    return entries, metadata
+
 
 
 def _parse_header(raw: bytes) -> dict[str, Any]:
@@ -170,9 +350,11 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _key_offset(raw: bytes, key: str) -> int:
-    """Best-effort absolute offset of ``"key":`` in the header (8 = header start if not found)."""
-    pos = raw.find(json.dumps(key, ensure_ascii=False).encode("utf-8", "surrogatepass") + b":")
+def _key_offset(raw: bytes | memoryview, key: str) -> int:
+    """Best-effort absolute offset of ``"key":`` in the header (8 = header start if not found).
+
+    Only called to report an error, so a header scanned in place may be copied here."""
+    pos = bytes(raw).find(json.dumps(key, ensure_ascii=False).encode("utf-8", "surrogatepass") + b":")
     return 8 + max(pos, 0)
 
 
@@ -188,37 +370,47 @@ def _is_uint(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _parse_entry(name: str, info: Any, metadata: dict[str, str], raw: bytes, data_start: int) -> TensorEntry:
-    def fail(message: str, cls: type[CkptdError] = CorruptError) -> CkptdError:
-        # the key's position is only searched for on error: a find per entry would be quadratic
-        return cls(f"tensor {name!r}: {message}", offset=_key_offset(raw, name))
+def _entry_error(name: str, raw: bytes, message: str, cls: type[CkptdError] = CorruptError) -> CkptdError:
+    # the key's position is only searched for on error: a find per entry would be quadratic
+    return cls(f"tensor {name!r}: {message}", offset=_key_offset(raw, name))
 
+
+def _parse_entry(name: str, info: Any, metadata: dict[str, str], raw: bytes, data_start: int,
+                 shapes: dict[tuple[int, ...], tuple[int, ...]]) -> TensorEntry:
     if not _is_unicode(name):
-        raise fail("name is not valid Unicode (lone surrogate escape)")
+        raise _entry_error(name, raw, "name is not valid Unicode (lone surrogate escape)")
     if not isinstance(info, dict):
-        raise fail("header entry is not an object")
+        raise _entry_error(name, raw, "header entry is not an object")
     st_dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(st_dtype, str):
-        raise fail("no string 'dtype'")
+        raise _entry_error(name, raw, "no string 'dtype'")
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise fail("'shape' must be a list of non-negative integers")
+        raise _entry_error(name, raw, "'shape' must be a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-        raise fail("'data_offsets' must be [begin, end] non-negative integers")
+        raise _entry_error(name, raw, "'data_offsets' must be [begin, end] non-negative integers")
+    dims = tuple(shape)
+    return _make_entry(name, st_dtype, shapes.setdefault(dims, dims), offsets[0], offsets[1], metadata, raw, data_start)
+
+
+def _make_entry(name: str, st_dtype: str, shape: tuple[int, ...], begin: int, end: int, metadata: dict[str, str],
+                raw: bytes, data_start: int) -> TensorEntry:
+    """The entry of a structurally sound header item, or the error about what it says."""
+    if not _is_unicode(name):
+        raise _entry_error(name, raw, "name is not valid Unicode (lone surrogate escape)")
     try:
         ms_dtype = dt.ms_name_from_safetensors(st_dtype)
     except UnsupportedDtypeError as exc:
-        raise fail(exc.message, UnsupportedDtypeError) from None
+        raise _entry_error(name, raw, exc.message, UnsupportedDtypeError) from None
     if metadata.get(name) == INT4_MARKER:
         if st_dtype != "I8":
-            raise fail(f"marked Int4 in __metadata__ but stored as {st_dtype}, not I8")
+            raise _entry_error(name, raw, f"marked Int4 in __metadata__ but stored as {st_dtype}, not I8")
         ms_dtype = INT4_MARKER
-    begin, end = offsets
     if end < begin:
-        raise fail(f"data_offsets end {end} < begin {begin}")
+        raise _entry_error(name, raw, f"data_offsets end {end} < begin {begin}")
     expected = math.prod(shape) * dt.itemsize(ms_dtype)
     if end - begin != expected:
-        raise fail(f"{st_dtype}{shape} needs {expected} bytes but data_offsets span {end - begin}")
-    return TensorEntry(name, ms_dtype, tuple(shape), ((data_start + begin, end - begin),), data_start + begin)
+        raise _entry_error(name, raw, f"{st_dtype}{list(shape)} needs {expected} bytes but data_offsets span {end - begin}")
+    return TensorEntry(name, ms_dtype, shape, ((data_start + begin, end - begin),), data_start + begin)
 
 
 def _is_unicode(text: str) -> bool:
@@ -246,7 +438,7 @@ def _check_coverage(entries: list[TensorEntry], data_start: int, size: int) -> N
         raise CorruptError(f"{size - pos} trailing bytes after the last tensor belong to no tensor", offset=pos)
 
 
-def _parse_crc(metadata: dict[str, str], raw: bytes) -> int | None:
+def _parse_crc(metadata: dict[str, str], raw: bytes | memoryview) -> int | None:
     text = metadata.get("crc_num")
     if text is None:
         return None

@@ -25,6 +25,7 @@ from typing import Mapping
 from ckptd.errors import CkptdError, StrategyError
 from ckptd.format import protowire as pw
 from ckptd.format.atomic import atomic_write
+from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
 from ckptd.format.strategy_json import parse_json, to_json
 from ckptd.format.strategy_types import (
     MAX_STRATEGY_BYTES,
@@ -37,7 +38,7 @@ from ckptd.format.strategy_types import (
 )
 
 __all__ = [
-    "MAX_STRATEGY_BYTES", "OpItem", "ParamStrategy", "Strategy", "StrategyFormat",
+    "MAX_STRATEGY_BYTES", "OpItem", "ParamStrategy", "Strategy", "StrategyFormat", "StrategyLimits",
     "encode_strategy", "load_strategy", "parse_strategy_bytes", "save_strategy",
 ]
 
@@ -47,27 +48,40 @@ _UINT32 = (1 << 32) - 1
 # --- parsing ---------------------------------------------------------------------------------
 
 
-def load_strategy(path: str | os.PathLike[str]) -> Strategy:
-    """Read a strategy file, protobuf or JSON (decided by content, not by name)."""
+def load_strategy(path: str | os.PathLike[str], *, limits: StrategyLimits = DEFAULT_STRATEGY_LIMITS) -> Strategy:
+    """Read a strategy file, protobuf or JSON (decided by content, not by name).
+
+    ``limits`` (:mod:`ckptd.format.limits`) bounds the file's size and what parsing may build;
+    beyond them a :class:`~ckptd.format.limits.StrategyLimitError` (a StrategyError) says which."""
     try:
         size = os.path.getsize(path)
-        if size > MAX_STRATEGY_BYTES:
-            raise StrategyError(f"{size} bytes is too large for a strategy file", path=path)
+        if size > limits.max_bytes:
+            raise _too_large(size, limits.max_bytes, path)
         with open(path, "rb") as fh:
-            data = fh.read(MAX_STRATEGY_BYTES + 1)
+            data = fh.read(limits.max_bytes + 1)
     except OSError as err:
         raise StrategyError(f"cannot read strategy file: {err.strerror or err}", path=path) from None
-    return parse_strategy_bytes(data, path=path)
+    return parse_strategy_bytes(data, path=path, limits=limits)
 
 
-def parse_strategy_bytes(data: bytes, path: str | os.PathLike[str] | None = None) -> Strategy:
+def _too_large(size: int, limit: int, path: str | os.PathLike[str] | None) -> StrategyLimitError:
+    return StrategyLimitError(f"{size} bytes is too large for a strategy file (ckptd's limit is {limit} bytes)",
+                              path=path)
+
+
+def parse_strategy_bytes(
+    data: bytes, path: str | os.PathLike[str] | None = None, *, limits: StrategyLimits = DEFAULT_STRATEGY_LIMITS
+) -> Strategy:
+    """Parse the bytes of a strategy file (``path`` only names it in errors); see :func:`load_strategy`."""
     where = os.fspath(path) if path is not None else "<bytes>"
     if not data:
         raise StrategyError("the strategy file is empty", path=where)
+    if len(data) > limits.max_bytes:
+        raise _too_large(len(data), limits.max_bytes, where)
     text_start = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
     if text_start.lstrip()[:1] in (b"{", b"["):  # wire types 3 (group): never a valid first protobuf key
-        return parse_json(text_start, where)
-    return _parse_proto(data, where)
+        return parse_json(text_start, where, limits)
+    return _parse_proto(data, where, limits)
 
 
 # protobuf -------------------------------------------------------------------------------------
@@ -76,9 +90,39 @@ def parse_strategy_bytes(data: bytes, path: str | os.PathLike[str] | None = None
 class _Proto:
     """Walks one ParallelStrategyMap buffer; every access is bounds-checked by protowire."""
 
-    def __init__(self, data: bytes, where: str) -> None:
+    def __init__(self, data: bytes, where: str, limits: StrategyLimits) -> None:
         self.buf = memoryview(data)
         self.where = where
+        self.limits = limits
+        self.items = self.values = self.unknown = 0
+
+    # --- what the file may make us build (ckptd.format.limits) ---------------------------------
+
+    def item(self, fld: pw.Field) -> None:
+        self.items += 1
+        if self.items > self.limits.max_items:
+            raise StrategyLimitError(f"more than {self.limits.max_items} operator and parameter items "
+                                     "(ckptd's limit per strategy file)", path=self.where, offset=fld.offset)
+
+    def value(self, offset: int) -> None:
+        self.values += 1
+        if self.values > self.limits.max_values:
+            raise StrategyLimitError(f"more than {self.limits.max_values} integers and integer lists "
+                                     "(ckptd's limit per strategy file)", path=self.where, offset=offset)
+
+    def skip(self, fld: pw.Field, what: str) -> None:
+        """An unknown field (not in mindspore.straspb): tolerated as protobuf does, up to a budget."""
+        if fld.wire_type == pw.LEN:
+            span = fld.value + fld.length - fld.offset
+        else:
+            span = len(pw.key(fld.number, fld.wire_type)) + {pw.I64: 8, pw.I32: 4}.get(
+                fld.wire_type, len(pw.encode_varint(fld.value)))
+        self.unknown += span
+        if self.unknown > self.limits.max_unknown_bytes:
+            raise StrategyLimitError(
+                f"more than {self.limits.max_unknown_bytes} bytes of protobuf fields mindspore.straspb does not "
+                f"define (here: field {fld.number} of {what})", path=self.where, offset=fld.offset,
+                hint="MindSpore writes no such fields: the file was padded or damaged; re-save it with MindSpore")
 
     def fail(self, message: str, offset: int) -> StrategyError:
         return StrategyError(message, path=self.where, offset=offset, hint="the protobuf does not match "
@@ -103,13 +147,16 @@ class _Proto:
     def ints(self, fld: pw.Field, kind: str, what: str) -> tuple[int, ...]:
         """A ``{repeated <kind> dim = 1}`` message (DevMatrix, TensorMap, ...)."""
         self.want(fld, pw.LEN, what)
+        self.value(fld.offset)
         out: list[int] = []
         for sub in self.fields(fld):
             if sub.number != 1:
+                self.skip(sub, what)
                 continue
             if sub.wire_type not in (pw.VARINT, pw.LEN):
                 raise self.fail(f"{what}.dim has wire type {sub.wire_type}", sub.offset)
             for v in pw.iter_repeated_varint(self.buf, sub):
+                self.value(sub.offset)
                 out.append(self.scalar(v, kind, f"{what}.dim", sub.offset))
         return tuple(out)
 
@@ -128,12 +175,15 @@ class _Proto:
 
     def op_item(self, item: pw.Field) -> OpItem:
         self.want(item, pw.LEN, "parallel_strategy_item")
+        self.item(item)
         name, body = None, None
         for f in self.fields(item):
             if f.number == 1:
                 name = self.string(f, "node_name")
             elif f.number == 2:
                 body = self.want(f, pw.LEN, "parallel_strategys")
+            else:
+                self.skip(f, "parallel_strategy_item")
         if name is None or body is None:
             raise self.fail("parallel_strategy_item lacks node_name or parallel_strategys", item.offset)
         stage, strategies = 0, []
@@ -142,10 +192,13 @@ class _Proto:
                 stage = self.varint(f, "uint32", "stage")
             elif f.number == 2:
                 strategies.append(self.ints(f, "uint32", "parallel_strategy"))
+            else:
+                self.skip(f, "parallel_strategys")
         return OpItem(name, stage, tuple(strategies))
 
     def layout_item(self, item: pw.Field):
         self.want(item, pw.LEN, "parallel_layout_item")
+        self.item(item)
         name, body = None, None
         for f in self.fields(item):
             if f.number == 1:
@@ -154,6 +207,8 @@ class _Proto:
                 if body is not None:
                     raise self.fail("parallel_layouts appears twice in one item", f.offset)
                 body = self.want(f, pw.LEN, "parallel_layouts")
+            else:
+                self.skip(f, "parallel_layout_item")
         if name is None or body is None:
             raise self.fail("parallel_layout_item lacks param_name or parallel_layouts", item.offset)
         dev, maps, pss, ios = [], [], [], []
@@ -170,6 +225,8 @@ class _Proto:
             elif 5 <= f.number <= 7:
                 key = ("field", "opt_shard_step", "opt_shard_size")[f.number - 5]
                 scal[key] = self.varint(f, "int32", key)
+            else:
+                self.skip(f, "parallel_layouts")
         if not dev or not maps:
             raise self.fail(f"parameter {name!r} has no dev_matrix or no tensor_map", item.offset)
         # MindSpore (_convert_to_list): several TensorMap entries = one per tensor dim ("layout"
@@ -180,8 +237,8 @@ class _Proto:
         return name, layout, None, item.offset
 
 
-def _parse_proto(data: bytes, where: str) -> Strategy:
-    p = _Proto(data, where)
+def _parse_proto(data: bytes, where: str, limits: StrategyLimits) -> Strategy:
+    p = _Proto(data, where, limits)
     current_stage, ops, raw = None, [], []
     try:
         for f in p.fields():
@@ -191,6 +248,8 @@ def _parse_proto(data: bytes, where: str) -> Strategy:
                 ops.append(p.op_item(f))
             elif f.number == 3:
                 raw.append(p.layout_item(f))
+            else:
+                p.skip(f, "ParallelStrategyMap")
     except StrategyError:
         raise
     except CkptdError as err:  # protowire's Truncated/CorruptError: keep its offset

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from ckptd.errors import LayoutError, StrategyError
 from ckptd.format.layout import local_shape
+from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
 from ckptd.format.strategy_types import OpItem, Strategy, assemble_strategy, checked_layout
 
 
@@ -34,7 +35,17 @@ def _json_int(obj: dict, key: str, what: str, where: str, default: int | None = 
     return v
 
 
-def parse_json(data: bytes, where: str) -> Strategy:
+def _json_values(data: bytes) -> int:
+    """An upper bound on the values and keys of a JSON text: each one follows a , : [ or {."""
+    return data.count(b",") + data.count(b":") + data.count(b"[") + data.count(b"{")
+
+
+def parse_json(data: bytes, where: str, limits: StrategyLimits = DEFAULT_STRATEGY_LIMITS) -> Strategy:
+    # counted before parsing: Python's JSON objects take up to ~20 times the text they come from
+    values = _json_values(data)
+    if values > limits.max_values:
+        raise StrategyLimitError(f"{values} JSON separators and brackets: more than ckptd's limit of "
+                                 f"{limits.max_values} values per strategy file", path=where)
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -46,6 +57,9 @@ def parse_json(data: bytes, where: str) -> Strategy:
     lay_obj = doc.get("parallel_layout_item", {})
     if not isinstance(op_obj, dict) or not isinstance(lay_obj, dict):
         raise StrategyError("parallel_strategy_item and parallel_layout_item must be objects", path=where)
+    if len(op_obj) + len(lay_obj) > limits.max_items:
+        raise StrategyLimitError(f"{len(op_obj) + len(lay_obj)} operator and parameter items: more than ckptd's "
+                                 f"limit of {limits.max_items} per strategy file", path=where)
     for node, item in op_obj.items():
         if not isinstance(item, dict) or not isinstance(item.get("parallel_strategy", []), list):
             raise StrategyError(f"operator {node!r}: malformed strategy item", path=where)

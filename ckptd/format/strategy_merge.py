@@ -39,6 +39,7 @@ from typing import Iterable, Mapping
 
 from ckptd.errors import StrategyError
 from ckptd.format.layout import TensorLayout
+from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_bytes
 
 __all__ = ["load_rank_strategies", "merge_rank_strategies"]
@@ -286,12 +287,15 @@ def _describe(layout: TensorLayout | None) -> str:
 # --- loading a directory ---------------------------------------------------------------------
 
 
-def load_rank_strategies(directory: str | os.PathLike[str]) -> dict[int, Strategy]:
+def load_rank_strategies(
+    directory: str | os.PathLike[str], *, limits: StrategyLimits | None = None
+) -> dict[int, Strategy]:
     """Parse every ``<base>_rank_<r>.(ckpt|json)`` file of ``directory``: ``{rank: Strategy}``.
 
     Only regular files are read, and never through a symlink: a FIFO or device under a strategy
     name must not block or feed the daemon. Every unreadable, damaged or duplicated rank file is
-    reported in one :class:`StrategyError`."""
+    reported in one :class:`StrategyError`. ``limits`` (default: ckptd.format.limits' constants)
+    bound each file; the directory holds at most ``max_items`` files (one per rank)."""
     where = os.fspath(directory)
     try:
         names = sorted(os.listdir(where))
@@ -303,6 +307,10 @@ def load_rank_strategies(directory: str | os.PathLike[str]) -> dict[int, Strateg
         m = _RANK_FILE.match(name)
         if m is not None:
             by_rank.setdefault(int(m.group("rank")), []).append(name)
+    parse_limits = limits or DEFAULT_STRATEGY_LIMITS
+    if len(by_rank) > parse_limits.max_items:
+        raise StrategyLimitError(f"{len(by_rank)} ranks' strategy files: more than ckptd's limit of "
+                                 f"{parse_limits.max_items}", path=where)
     problems = _Problems()
     out: dict[int, Strategy] = {}
     for rank, files in sorted(by_rank.items()):
@@ -312,7 +320,8 @@ def load_rank_strategies(directory: str | os.PathLike[str]) -> dict[int, Strateg
             continue
         path = os.path.join(where, files[0])
         try:
-            out[rank] = parse_strategy_bytes(_read_regular(path), path=path)
+            data = _read_regular(path, MAX_STRATEGY_BYTES if limits is None else limits.max_bytes)
+            out[rank] = parse_strategy_bytes(data, path=path, limits=parse_limits)
         except StrategyError as err:
             problems.add(f"{files[0]}: {err.message}" + (f" @ byte {err.offset}" if err.offset is not None else ""),
                          err.hint)
@@ -320,7 +329,7 @@ def load_rank_strategies(directory: str | os.PathLike[str]) -> dict[int, Strateg
     return out
 
 
-def _read_regular(path: str) -> bytes:
+def _read_regular(path: str, max_bytes: int) -> bytes:
     """The bytes of a regular file, refusing symlinks and special files before reading anything."""
     try:
         # lstat first: a device node or FIFO is never even opened (opening some devices acts)
@@ -336,14 +345,15 @@ def _read_regular(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path)
-        if st.st_size > MAX_STRATEGY_BYTES:
-            raise StrategyError(f"{st.st_size} bytes is too large for a strategy file", path=path)
+        if st.st_size > max_bytes:
+            raise StrategyLimitError(f"{st.st_size} bytes is too large for a strategy file (ckptd's limit is "
+                                     f"{max_bytes} bytes)", path=path)
         chunks, total = [], 0
-        while chunk := os.read(fd, min(_READ_CHUNK, MAX_STRATEGY_BYTES + 1 - total)):
+        while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
             chunks.append(chunk)
             total += len(chunk)
-            if total > MAX_STRATEGY_BYTES:  # grew while we read
-                raise StrategyError(f"more than {MAX_STRATEGY_BYTES} bytes: too large for a strategy file", path=path)
+            if total > max_bytes:  # grew while we read
+                raise StrategyLimitError(f"more than {max_bytes} bytes: too large for a strategy file", path=path)
         return b"".join(chunks)
     except OSError as err:
         raise StrategyError(f"cannot read strategy file: {err.strerror or err}", path=path) from None

@@ -33,9 +33,11 @@ from typing import Literal, Mapping
 
 from ckptd.errors import LayoutError, StrategyError
 from ckptd.format.layout import Slice, TensorLayout, replica_groups, slice_for_rank
+from ckptd.format.limits import MAX_STRATEGY_BYTES
 
 StrategyFormat = Literal["proto", "json"]
-MAX_STRATEGY_BYTES = 1 << 30  # far above any real strategy file; refuse to slurp anything bigger
+__all__ = ["MAX_STRATEGY_BYTES", "OpItem", "ParamStrategy", "Strategy", "StrategyFormat", "assemble_strategy",
+           "checked_layout", "split_stage_name"]
 _STAGE_PREFIX = re.compile(r"(0|[1-9][0-9]*)-([^-]+)")
 
 

@@ -1,0 +1,119 @@
+"""Limits on what a file may make ckptd build in memory (docs/FORMATS.md section 6).
+
+ckptd reads files that any job on the machine can write. Sizes on disk do not bound memory: a
+30 MB ``.ckpt`` of one million 4-byte tensors is one million index entries, and a few bytes of
+protobuf become a Python object of a few hundred. So every reader counts what it builds and
+refuses a file beyond these limits with a :class:`LimitExceededError` (checkpoints) or a
+:class:`StrategyLimitError` (strategy files) naming the limit, the file and the byte offset where
+it was crossed, before it has built more than the limit allows.
+
+The defaults are far above what MindSpore writes for real models and keep the worst case of one
+open file in the low hundreds of MB (per-entry costs measured in docs/FORMATS.md section 6).
+Callers that need other limits pass a :class:`FormatLimits` (``open_checkpoint(..., limits=...)``,
+``verify_file(..., limits=...)``, ``index_ckpt``, ``index_safetensors``) or a
+:class:`StrategyLimits` (``load_strategy``, ``parse_strategy_bytes``, ``load_rank_strategies``);
+nothing here reads settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptd.errors import FormatError, StrategyError
+
+#: Tensor entries per checkpoint file (``.ckpt``: protobuf records, so a tensor split into several
+#: records counts each; safetensors: header entries). A Llama-2-70B rank file with its optimizer
+#: state holds ~2,200; an unsharded Mixture-of-Experts model with unfused experts and Adam state
+#: (~50k weights x 3) ~150k. An entry costs ~210 bytes of index (8-byte name), so ~55 MB at the limit.
+MAX_ENTRIES = 1 << 18  # 262,144
+
+#: Sum of the distinct entry names' UTF-8 bytes in one ``.ckpt`` (one name may be 64 KiB): 128
+#: bytes on average at MAX_ENTRIES, twice MindFormers' longest names.
+MAX_NAME_BYTES = 32 << 20  # 32 MiB
+
+#: Dims of the shape tuples one checkpoint file's index builds (equal shapes share one tuple; in
+#: safetensors those written in up to 64 characters). MindSpore's tensors have at most 8 dims and a
+#: model a few hundred distinct shapes; MAX_ENTRIES distinct 64-dim shapes of 20-digit dims would
+#: otherwise cost ~750 MB.
+MAX_SHAPE_DIMS = 1 << 20  # 1,048,576
+
+#: A safetensors JSON header. The format's own ceiling is 100 MB (the Rust reader refuses more,
+#: so MindSpore cannot load such files); a header of MAX_ENTRIES entries of realistic length
+#: (~150 bytes each) takes ~40 MB.
+MAX_HEADER_BYTES = 64 << 20  # 64 MiB
+
+#: A safetensors header that is not in serde_json's compact form (which every writer built on the
+#: safetensors library emits, MindSpore included) goes through Python's JSON parser, whose objects
+#: take up to ~20 times the text: such headers are read only up to this size.
+MAX_JSON_HEADER_BYTES = 4 << 20  # 4 MiB
+
+#: Problems one index or verification keeps; further ones are counted in one last problem. A
+#: hostile file may have a problem per entry, and reports end up in logs and the catalog.
+MAX_PROBLEMS = 100
+
+#: A strategy file. Real ones are a few MB (a 70B model's merged file: 1-4 MB); the whole file is
+#: read into memory and the catalog stores it.
+MAX_STRATEGY_BYTES = 64 << 20  # 64 MiB
+
+#: Operator items + parameter layout items of one strategy file (protobuf or JSON): real files
+#: hold one layout per parameter (optimizer states included) and one item per sharded operator.
+MAX_STRATEGY_ITEMS = 1 << 18  # 262,144
+
+#: Values of one strategy file. Protobuf: every integer (dims of dev_matrix, tensor_map,
+#: param_split_shape, indices_offset, operator strategies) and every such list: ~9 per parameter
+#: layout and ~4 per operator, so ~200k layouts of a real model fit. JSON: the ``,`` ``:`` ``[``
+#: ``{`` of the text (each value or key follows one; ~15 per layout), which also bounds the objects
+#: Python's JSON parser builds (at most ~70 bytes each).
+MAX_STRATEGY_VALUES = 1 << 21  # 2,097,152
+
+#: Bytes of protobuf fields that ``mindspore.straspb`` does not define, summed over the file.
+#: MindSpore never writes any; a little slack lets a future MindSpore add a field, padding is refused.
+MAX_STRATEGY_UNKNOWN_BYTES = 1 << 20  # 1 MiB
+
+
+@dataclass(frozen=True)
+class FormatLimits:
+    """The checkpoint limits in one value (defaults: the module constants)."""
+
+    max_entries: int = MAX_ENTRIES
+    max_name_bytes: int = MAX_NAME_BYTES
+    max_shape_dims: int = MAX_SHAPE_DIMS
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_json_header_bytes: int = MAX_JSON_HEADER_BYTES
+    max_problems: int = MAX_PROBLEMS
+
+
+DEFAULT_LIMITS = FormatLimits()
+
+
+@dataclass(frozen=True)
+class StrategyLimits:
+    """The strategy-file limits in one value (defaults: the module constants)."""
+
+    max_bytes: int = MAX_STRATEGY_BYTES
+    max_items: int = MAX_STRATEGY_ITEMS
+    max_values: int = MAX_STRATEGY_VALUES
+    max_unknown_bytes: int = MAX_STRATEGY_UNKNOWN_BYTES
+
+
+DEFAULT_STRATEGY_LIMITS = StrategyLimits()
+
+
+class LimitExceededError(FormatError):
+    """A checkpoint file is beyond one of ckptd's limits (it may be valid; ckptd will not index it)."""
+
+    code = "limit_exceeded"
+    default_hint = (
+        "no MindSpore save of a real model comes near this limit: the file is damaged or was crafted; "
+        "if it is genuine, raise the limit (FormatLimits / the limits keyword)"
+    )
+
+
+class StrategyLimitError(StrategyError):
+    """A strategy file is beyond one of ckptd's limits."""
+
+    code = "limit_exceeded"
+    default_hint = (
+        "MindSpore's strategy files of real models are a few MB: the file is damaged, padded or was crafted; "
+        "if it is genuine, raise the limit (StrategyLimits, the limits keyword of the strategy readers)"
+    )
