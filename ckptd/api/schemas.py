@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 #: bounds of what the catalog stores (steps BIGINT, ids and counts INTEGER on PostgreSQL)
 INT64_MAX = 2**63 - 1
@@ -89,6 +89,14 @@ class HealthReport(BaseModel):
     loss: float | None = Field(default=None, description="NaN/inf allowed (send as JSON NaN/Infinity or strings)")
     grad_norm: float | None = None
     overflow: bool = False
+
+    @field_validator("loss", "grad_norm", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: object) -> object:
+        # pydantic's lax mode reads true/false as 1.0/0.0; a boolean loss is a client bug, not a loss
+        if isinstance(v, bool):
+            raise ValueError("a number (or NaN/Infinity), not a boolean")
+        return v
 
 
 class HealthCleared(BaseModel):

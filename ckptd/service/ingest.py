@@ -15,6 +15,7 @@ import logging
 import os
 import stat as stat_mod
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,7 +29,7 @@ from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.strategy import MAX_STRATEGY_BYTES, parse_strategy_bytes
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
 from ckptd.service import rank_strategies, runhints
 from ckptd.settings import Settings
 from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
@@ -50,7 +51,7 @@ class Ingestor:
         self,
         settings: Settings,
         sessions: sessionmaker[Session],
-        submit: Callable[[list[int]], None],
+        submit: Callable[..., None],
         submit_step: Callable[[int], None],
         index_cache: IndexCache | None = None,
         nodes: NodeView | None = None,
@@ -88,6 +89,7 @@ class Ingestor:
         requeue: list[int] = []
         claim: list[str] = []  # files we see whose rows have no node, or an unreachable one
         owner = self.nodes.owner()
+        read_at = datetime.now(timezone.utc)  # the states below are as of now: a later verdict elsewhere wins
         known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -124,7 +126,7 @@ class Ingestor:
                                 todo = []
         self._tally(self.examine_many(todo), report)
         if requeue:
-            self.submit(requeue)  # the verifier ignores ids it already has queued or in hand
+            self.submit(requeue, read_at)  # the verifier ignores ids it already has queued or in hand
         for ckpt_id in self._steps_awaiting_checks(runs):
             self.submit_step(ckpt_id)  # shards all verified, step checks never ran (e.g. a crash)
         self._claim_seen(claim, owner)
@@ -269,6 +271,7 @@ class Ingestor:
         self, key: tuple, files: list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]
     ) -> dict[str, str]:
         run_name, prefix, epoch, step, kind, layout, incarnation = key
+        read_at = datetime.now(timezone.utc)  # before the shard states are read
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
@@ -311,7 +314,7 @@ class Ingestor:
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id
         if to_verify:
-            self.submit(to_verify)
+            self.submit(to_verify, read_at)
         elif step_state == StepState.PENDING:
             self.submit_step(ckpt_id)  # every shard verified but the step checks never ran (e.g. a crash)
         return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
@@ -447,6 +450,7 @@ class Ingestor:
             return "ignored"
         try:
             strategy = parse_strategy_bytes(content, path)
+            content = encode_strategy(strategy, strategy.format)  # what it says, not padding a writer added
             digest, fmt, world, stages, error = strategy.content_hash(), strategy.format, strategy.world_size, strategy.stages, None
         except CkptdError as err:
             digest, fmt, world, stages, error = "invalid", "unknown", 0, 0, str(err)

@@ -97,9 +97,11 @@ class StepJudge:
 
     # --- what ------------------------------------------------------------------------------------
 
-    def check(self, ckpt_id: int) -> list[str]:
+    def check(self, ckpt_id: int, *, unjudged_only: bool = False) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification).
-        Returns the problems found, or [] while other nodes' facts are still missing."""
+        Returns the problems found, or [] while other nodes' facts are still missing.
+        ``unjudged_only``: store nothing if the step got a verdict meanwhile (several daemons
+        on one root may find the same step ready; one verdict is enough)."""
         with self.sessions() as s:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None:
@@ -121,6 +123,8 @@ class StepJudge:
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             now_rows = self._rows(s, ckpt_id)
+            if unjudged_only and ckpt.step_checks_ok is not None:
+                return []  # another daemon (or thread) judged it while we read
             if [r.file for r in now_rows] != [r.file for r in rows] or (ckpt.strategy_id, ckpt.expected_ranks) != binding:
                 # shards changed, or the step was re-bound to a new layout, while we checked: the
                 # verdict would be stale; whoever changed it asked for a new check

@@ -128,11 +128,13 @@ class Verifier:
 
     # --- queue ---------------------------------------------------------------------------------
 
-    def submit(self, shard_ids: list[int]) -> None:
+    def submit(self, shard_ids: list[int], asked_at: datetime | None = None) -> None:
         """Queue shards for verification. An id already queued or being verified is not queued
         again: MindSpore's chmod after the rename must not verify a file twice (a real change
-        mid-read is detected by the verification itself, which then re-queues)."""
-        asked = datetime.now(timezone.utc)
+        mid-read is detected by the verification itself, which then re-queues). ``asked_at``:
+        when the caller read that they need it (default now); a shard another daemon verified
+        after that moment is not verified again."""
+        asked = asked_at or datetime.now(timezone.utc)
         with self._cond:
             for shard_id in shard_ids:
                 if shard_id not in self._inflight:
@@ -376,7 +378,7 @@ class Verifier:
         try:
             while True:
                 if self._step_ready(ckpt_id):
-                    self.check_step(ckpt_id)
+                    self.steps.check(ckpt_id, unjudged_only=True)
                 with self._cond:  # decide and let go under one lock: no note can slip in between
                     if ckpt_id not in self._check_again:
                         self._checking.discard(ckpt_id)
