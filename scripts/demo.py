@@ -416,7 +416,8 @@ def mindformers_run(url: str, env: dict[str, str]) -> int:
     if answer.get("mindformers") is not None:
         say(f'     "mindformers": {json.dumps(answer["mindformers"])}  {DIM}(what MindFormers\' own loader takes){OFF}')
     say("    ...}")
-    if answer.get("step") != resumed_step or sorted(answer.get("shards") or [], key=lambda x: x["rank"]) != want:
+    got = sorted(({"rank": x["rank"], "path": x["path"]} for x in answer.get("shards") or []), key=lambda x: x["rank"])
+    if answer.get("step") != resumed_step or got != want:
         return fail(f"ckptd should have answered step {resumed_step} with the ranks' MindFormers shards {want}")
 
     say("\n  what the job left in its output_dir (MindFormers' legacy layout; the restart wrote the next "
