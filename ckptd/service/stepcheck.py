@@ -8,7 +8,10 @@ Runs once every shard of a step is verified. Reports *all* problems (per rank), 
 * every parameter the strategy assigns to a rank is in that rank's file with exactly the slice
   shape the strategy implies (the full shape is inferred from each rank and must agree);
 * ranks that hold identical replicas of a parameter hold identical bytes (sampled or full).
-Reads only record headers, plus the payloads of the compared replicas.
+Reads only record headers, plus the payloads of the compared replicas. The checks are split in
+two so that a step whose files live on several nodes can be judged without any node reading
+another's files: :func:`shard_facts` (one file, by the node that sees it) and :func:`combine`
+(the step, from every file's facts); ``ckptd.service.stepjudge`` runs them.
 
 Subset saves (``subset=True``, MindFormers runs). With ``remove_redundancy`` every rank saves only
 the parameters MindSpore assigns to it (safetensors metadata ``remove_redundancy: "True"``); after
@@ -27,7 +30,7 @@ import hashlib
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Mapping
 
 import xxhash
 
@@ -99,40 +102,6 @@ def _payload_digest(ckpt: CheckpointFile, name: str) -> str:
     for view in ckpt.iter_payload(name):
         h.update(view)
     return h.hexdigest()
-
-
-def check_step(
-    shards: list[ShardRef],
-    expected_ranks: int | None,
-    strategy: Strategy | None,
-    key: bytes | None,
-    replica_mode: Literal["off", "sample", "full"] = "sample",
-    sample: int = 8,
-    seed: str = "",
-    index_cache: IndexCache | None = None,
-) -> list[str]:
-    """The problems of a step whose every rank must have its own file (see :func:`check_subset_step`)."""
-    return _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, subset=False).problems
-
-
-def check_subset_step(
-    shards: list[ShardRef],
-    expected_ranks: int | None,
-    strategy: Strategy | None,
-    key: bytes | None,
-    replica_mode: Literal["off", "sample", "full"] = "sample",
-    sample: int = 8,
-    seed: str = "",
-    index_cache: IndexCache | None = None,
-) -> StepVerdict:
-    """A step that is whole when the union of its files covers the layout (module docstring)."""
-    return _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, subset=True)
-
-
-def _check(shards, expected_ranks, strategy, key, replica_mode, sample, seed, index_cache, *, subset: bool) -> StepVerdict:  # noqa: ANN001
-    names = replica_names(strategy, replica_mode, sample, seed)
-    facts = {ref.rank: shard_facts(ref, strategy, key, names, subset=subset, index_cache=index_cache) for ref in shards}
-    return combine(shards, facts, expected_ranks, strategy, names, subset=subset)
 
 
 # --- per-shard facts: what one node finds in one file --------------------------------------------
