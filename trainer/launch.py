@@ -15,6 +15,16 @@ the step to resume was saved in another layout (another world size after a lost 
 tp/dp split of the same world), the job resumes from ckptd's re-sharded copy (see trainer.elastic). Every
 decision is one ``launch:`` log line on stderr and in ``<run-dir>/launcher.log``.
 
+ckptd briefly down (restarting, overloaded) is not a reason to kill the job: when the oracle cannot be
+asked -- no connection, a timeout, HTTP 5xx/429/408, or a ckptd just (re)started that has not
+finished its first rescan of the root (``/healthz``) -- the launcher asks again with exponential
+back-off (``--oracle-backoff`` doubling up to ``--oracle-backoff-max``) for up to ``--oracle-wait``
+seconds, one ``event=oracle-wait`` line per wait, and only then gives up (exit 2) -- or, with
+``--oracle-fallback scan``, resumes from its own scan of the run directory (trainer.scan_resume: the
+newest save whose every shard matches its ``.done`` sidecar, in exactly this job's layout). A definite
+answer (a step, 404 ``no_restorable_step`` / ``not_found``) is acted on at once; an answer that is
+not one (malformed JSON, a refused token, another 4xx) stops the launcher at once.
+
 ``--layout mindformers`` makes the trainer write MindFormers 2.1.0's legacy layout into ``--run-dir``
 (see trainer.train); nothing else changes: the oracle's answer names every rank's shard, and each
 restart into the directory writes the next incarnation's ``{P}_rank_<r>_<k>-{E}_{S}.ckpt`` files.
@@ -39,7 +49,17 @@ from dataclasses import dataclass
 
 from trainer.elastic import in_other_layout, job_strategy_hash, resume_converted
 from trainer.health import exit_path, heartbeat_path
-from trainer.oracle import ConversionError, OracleError, ResumeAnswer, ask_command, ask_http, wait_for_verdicts
+from trainer.oracle import (
+    ConversionError,
+    OracleError,
+    OracleUnavailable,
+    ResumeAnswer,
+    ask_command,
+    ask_http,
+    ask_local_scan,
+    check_ready,
+    wait_for_verdicts,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(REPO_ROOT, "trainer", "train.py")
@@ -64,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
+    p.add_argument("--oracle-wait", type=float, default=120.0,
+                   help="ckptd unreachable (or 5xx/timeout): keep asking, with back-off, for up to this many seconds "
+                        "before giving up or falling back (0: do not retry)")
+    p.add_argument("--oracle-backoff", type=float, default=0.5, help="first wait when ckptd is unreachable (s); doubles")
+    p.add_argument("--oracle-backoff-max", type=float, default=10.0, help="longest single wait for ckptd (s)")
+    p.add_argument("--oracle-fallback", choices=("none", "scan"), default="none",
+                   help="when ckptd stays unreachable past --oracle-wait: none = give up (exit 2); scan = resume "
+                        "from the launcher's own scan of --run-dir (trainer.scan_resume)")
     p.add_argument("--convert-timeout", type=float, default=300.0,
                    help="elastic restart: wait at most this long for ckptd to re-shard a checkpoint for this layout")
     p.add_argument("--max-restarts", type=int, default=3)
@@ -260,16 +288,61 @@ def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
                                   f"{world}, and only ckptd can convert it")
         return answer
     if args.ckptd_url:
-        if args.settle_timeout > 0:
-            settle(args, world, attempt, log)
-        # naming the job's world size: ckptd then says where a copy re-sharded for it is, if it has one
-        answer = ask_http(args.ckptd_url, args.run_name, world, world_size=world)
-        target = job_layout_hash(args)
-        if in_other_layout(answer, target):
-            return resume_converted(args.ckptd_url, args.run_name, args.tp, args.dp, target, answer,
-                                    args.convert_timeout, lambda **f: log(attempt=attempt, **f))
-        return answer
+        return ask_ckptd_patiently(args, world, attempt, log)
     return ResumeAnswer(None, None, "no oracle configured")
+
+
+def ask_ckptd(args, world: int, attempt: int, log: Log, timeout: float = 10.0) -> ResumeAnswer:
+    """One round with ckptd: ready (first rescan done), settle, ask, and (another layout) get a
+    re-sharded copy."""
+    check_ready(args.ckptd_url, timeout=min(5.0, timeout))
+    if args.settle_timeout > 0:
+        settle(args, world, attempt, log)
+    # naming the job's world size: ckptd then says where a copy re-sharded for it is, if it has one
+    answer = ask_http(args.ckptd_url, args.run_name, world, timeout=timeout, world_size=world)
+    target = job_layout_hash(args)
+    if in_other_layout(answer, target):
+        return resume_converted(args.ckptd_url, args.run_name, args.tp, args.dp, target, answer,
+                                args.convert_timeout, lambda **f: log(attempt=attempt, **f))
+    return answer
+
+
+def ask_ckptd_patiently(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
+    """ask_ckptd, again and again while ckptd cannot be asked (OracleUnavailable), with exponential
+    back-off, for up to ``--oracle-wait`` s; then OracleError -- or the local scan when
+    ``--oracle-fallback scan`` (never after a conversion was involved: only ckptd re-shards)."""
+    t0 = time.monotonic()
+    tries = 0
+    while True:
+        left = args.oracle_wait - (time.monotonic() - t0)
+        try:
+            answer = ask_ckptd(args, world, attempt, log, timeout=max(1.0, min(10.0, left)))
+        except OracleUnavailable as err:
+            tries += 1
+            waited = time.monotonic() - t0
+            left = args.oracle_wait - waited
+            if left <= 0:
+                why = (f"{err} (asked {tries} time{'s' if tries > 1 else ''} in {waited:.1f}s, "
+                       f"--oracle-wait {args.oracle_wait:g}s)")
+                if isinstance(err, ConversionError):
+                    raise ConversionError(why) from None
+                if args.oracle_fallback == "scan":
+                    return fall_back_to_scan(args, attempt, log, why)
+                raise OracleError(why) from None
+            delay = min(args.oracle_backoff_max, args.oracle_backoff * (2 ** (tries - 1)), left)
+            log(attempt=attempt, event="oracle-wait", tries=tries, waited=f"{waited:.1f}s", next=f"{delay:.2f}s",
+                deadline=f"{args.oracle_wait:g}s", reason=str(err))
+            time.sleep(delay)
+            continue
+        if tries:
+            log(attempt=attempt, event="oracle_reached", tries=tries + 1,
+                waited=f"{time.monotonic() - t0:.1f}s", reason="ckptd answered")
+        return answer
+
+
+def fall_back_to_scan(args, attempt: int, log: Log, why: str) -> ResumeAnswer:
+    log(attempt=attempt, event="oracle-fallback", using="scan", reason=f"ckptd stayed unreachable: {why}")
+    return ask_local_scan(args.run_dir, args.tp, args.dp)
 
 
 def job_layout_hash(args) -> str:
@@ -284,7 +357,8 @@ def job_layout_hash(args) -> str:
 
 def settle(args, world: int, attempt: int, log: Log) -> None:
     """Give ckptd time to judge the save the job finished just before it died (see wait_for_verdicts)."""
-    res = wait_for_verdicts(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout)
+    res = wait_for_verdicts(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout,
+                            raise_unavailable=True)
     if not res.states:
         return  # nothing committed on disk: nothing to wait for
     seen = ", ".join(f"{step}={state}" for (_, step), state in res.states.items())

@@ -5,12 +5,23 @@ The answer is ckptd's ``GET /v1/runs/{run}/resume`` body: ``{"run", "step", "epo
 resume" is HTTP 404 ``{"detail": {"code": "no_restorable_step"}}`` -- or ``"not_found"`` for a run ckptd
 has not catalogued yet (a brand-new job) -- (or a command exiting non-zero /
 printing that body).
+
+Three kinds of outcome, kept apart because the launcher acts differently on each:
+
+* an answer -- a step, or a definite "nothing to resume" (404 ``no_restorable_step`` / ``not_found``):
+  acted on at once;
+* :class:`OracleUnavailable` -- ckptd could not be asked right now (connection refused or reset, a
+  timeout, HTTP 5xx / 429 / 408): worth asking again (the launcher retries up to ``--oracle-wait``);
+* any other :class:`OracleError` -- a malformed answer, a refused token (401/403), another 4xx: asking
+  again would get the same, so the launcher stops.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import subprocess
 import time
 import urllib.error
@@ -34,6 +45,26 @@ class ResumeAnswer:
 
 class OracleError(RuntimeError):
     """The oracle could not be asked or answered nonsense (the launcher stops rather than guess)."""
+
+
+class OracleUnavailable(OracleError):
+    """ckptd could not be asked right now: unreachable, timed out, or HTTP 5xx/429/408 (ask again later)."""
+
+
+#: HTTP statuses that say "not now" rather than "no": the server (or a proxy in front of it) is
+#: restarting, overloaded or timed out
+TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether a failed HTTP request is worth repeating: no connection, a connection lost mid-answer,
+    a timeout, or a transient status. A definite HTTP answer (4xx) is not."""
+    if isinstance(err, urllib.error.HTTPError):
+        return err.code in TRANSIENT_HTTP or err.code >= 500
+    if isinstance(err, urllib.error.URLError):
+        return True  # refused, reset, DNS, timeout while connecting
+    # a timeout while reading, a connection reset or closed mid-answer, a truncated body
+    return isinstance(err, (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException, OSError))
 
 
 def _interpret(body: object, world: int, source: str) -> ResumeAnswer:
@@ -78,7 +109,10 @@ def _skipped_text(skipped: list) -> str:
 
 def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None) -> ResumeAnswer:
     """``world_size``: name the job's world size in the question (ckptd then says whether a conversion
-    is needed and where a ready converted copy is)."""
+    is needed and where a ready converted copy is).
+
+    Raises :class:`OracleUnavailable` when ckptd could not be asked (see :func:`is_transient`), and
+    :class:`OracleError` for an answer that is not one (a malformed body, 401/403, another 4xx)."""
     query = f"?world_size={int(world_size)}" if world_size is not None else ""
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume{query}", method="GET")
     token = os.environ.get("CKPTD_TOKEN")
@@ -86,16 +120,60 @@ def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: 
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return _interpret(json.loads(resp.read()), world, "ckptd")
+            raw = resp.read()
     except urllib.error.HTTPError as err:
         if err.code == 404:
             try:
                 return _interpret(json.loads(err.read()), world, "ckptd")
-            except (ValueError, OracleError):
+            except (ValueError, OracleError, OSError, http.client.HTTPException):
                 pass
+            # a 404 that is not ckptd's (wrong URL, another service): asking again will not help
+            raise OracleError(f"ckptd answered HTTP 404 without a resume answer (is {url} ckptd?)") from None
+        if is_transient(err):
+            raise OracleUnavailable(f"ckptd answered HTTP {err.code}") from None
         raise OracleError(f"ckptd answered HTTP {err.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        raise OracleError(f"ckptd unreachable: {err}") from None
+    except Exception as err:  # noqa: BLE001 -- classified: transient (ask again) or not
+        if is_transient(err):
+            raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
+        raise OracleError(f"asking ckptd failed: {type(err).__name__}: {err}") from None
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise OracleError(f"ckptd: malformed answer (not JSON: {err})") from None
+    return _interpret(body, world, "ckptd")
+
+
+def _reason(err: BaseException) -> str:
+    inner = getattr(err, "reason", None)
+    text = str(inner if inner is not None else err) or type(err).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def check_ready(url: str, timeout: float = 5.0) -> None:
+    """Raise :class:`OracleUnavailable` while ckptd is up but has not finished its first rescan of
+    the root (``/healthz`` says ``first_rescan_done: false``): until then its catalog does not know
+    what changed on disk while it was down (a save, a rotten file), and an answer could be stale.
+    Unreachable: OracleUnavailable as well. Anything else -- a stalled worker (503 with the field
+    true), a ckptd without the field, an unreadable body -- lets the resume question decide."""
+    req = urllib.request.Request(f"{url.rstrip('/')}/healthz", method="GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as err:
+        try:
+            raw = err.read()
+        except (OSError, http.client.HTTPException):
+            raw = b""
+    except Exception as err:  # noqa: BLE001 -- classified
+        if is_transient(err):
+            raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
+        return
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return
+    if isinstance(doc, dict) and doc.get("first_rescan_done") is False:
+        raise OracleUnavailable("ckptd is starting: its first rescan of the checkpoint root is not done")
 
 
 def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
@@ -114,6 +192,63 @@ def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
                 return answer
         raise OracleError(f"resume command exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
     return _interpret(body, world, "resume-cmd")
+
+
+def ask_local_scan(run_dir: str, tp: int, dp: int) -> ResumeAnswer:
+    """The stand-in oracle (:mod:`trainer.scan_resume`): the newest save on disk whose every rank's
+    shard is committed and matches its ``.done`` sidecar (size + xxh3) -- the launcher's fallback when
+    ckptd stays unreachable and ``--oracle-fallback scan`` says so.
+
+    The scan knows nothing of layouts, so the answer is checked here: every shard must say it is
+    that rank's at exactly this job's tp/dp (a save of another layout is never handed to the trainer:
+    only ckptd can re-shard it); a shard that cannot be read without a key must at least have no
+    rank beyond this world saving the same step."""
+    from trainer.scan_resume import scan
+
+    world = tp * dp
+    answer = _interpret(scan(run_dir, world), world, "local scan")
+    if answer.step is None:
+        return answer
+    for shard in answer.body["shards"]:  # type: ignore[index]
+        rank, path = int(shard["rank"]), str(shard["path"])
+        saved = _shard_layout(path)
+        if saved is None:
+            if _saved_by_more_ranks(run_dir, world, os.path.basename(path), rank):
+                raise OracleError(f"local scan: step {answer.step} was saved by more than {world} ranks; "
+                                  f"only ckptd can re-shard it")
+            continue
+        if saved != (rank, tp, dp):
+            raise OracleError(f"local scan: {path} is rank {saved[0]}'s shard of tp={saved[1]},dp={saved[2]}, "
+                              f"this job is rank {rank} of tp={tp},dp={dp}; only ckptd can re-shard it")
+    return answer
+
+
+def _shard_layout(path: str) -> tuple[int, int, int] | None:
+    """(rank_id, tp, dp) a trainer shard holds, None when it cannot be read without a key."""
+    from ckptd.errors import CkptdError
+    from ckptd.format.checkpoint import open_checkpoint
+
+    try:
+        with open_checkpoint(path, key=None) as ck:
+            return int(ck.value("rank_id")), int(ck.value("tp")), int(ck.value("dp"))
+    except (CkptdError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _saved_by_more_ranks(run_dir: str, world: int, name: str, rank: int) -> bool:
+    parsed = runlayout.parse_shard_name(name, rank)
+    if parsed is None:
+        return False
+    for other, d in runlayout.rank_dirs(run_dir).items():
+        if other < world:
+            continue
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        if any((p := runlayout.parse_shard_name(n, other)) is not None and p[:3] == parsed[:3] for n in names):
+            return True
+    return False
 
 
 # --- waiting for ckptd to catch up with the disk ---------------------------------------------------
@@ -190,7 +325,8 @@ class Settled:
     states: dict[tuple[int, int], str]
 
 
-def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: float, poll: float = 0.25) -> Settled:
+def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: float, poll: float = 0.25,
+                      raise_unavailable: bool = False) -> Settled:
     """Wait until ckptd has a final verdict on the newest save that is committed on disk.
 
     The job was just stopped: its last save may have been renamed and sidecar'd a moment ago and ckptd
@@ -199,6 +335,11 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
     the walk (the oracle will see it), a corrupt/deleted one moves on to the next, anything else
     (unknown to ckptd, incomplete, pending) means wait. Never longer than ``timeout``; ckptd stays the
     judge of what is restorable either way.
+
+    ``raise_unavailable``: a ckptd that cannot be asked (see :func:`is_transient`) raises
+    :class:`OracleUnavailable` instead of being waited for here (the launcher then waits with
+    back-off and logs it), and a refused token raises :class:`OracleError`; a run ckptd does not
+    know yet (404) is still waited for.
     """
     t0 = time.monotonic()
     base = f"{url.rstrip('/')}/v1/runs/{run}/steps"
@@ -209,8 +350,18 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
             rows = _get_json(f"{base}?limit=1000", timeout=5.0)
             trained = [r for r in rows if r.get("kind", "trained") == "trained"]
             known = {(r.get("prefix"), int(r["epoch"]), int(r["step"])): str(r["state"]) for r in trained}
-        except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, AttributeError):
-            known = {}  # run not catalogued yet (404), or ckptd briefly unreachable: keep waiting
+        except urllib.error.HTTPError as err:
+            if raise_unavailable and err.code in (401, 403):
+                raise OracleError(f"ckptd answered HTTP {err.code} to GET {base}") from None
+            if raise_unavailable and is_transient(err):
+                raise OracleUnavailable(f"ckptd answered HTTP {err.code}") from None
+            known = {}  # run not catalogued yet (404): keep waiting
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            if raise_unavailable:
+                raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
+            known = {}  # ckptd briefly unreachable: keep waiting
+        except (ValueError, KeyError, TypeError, AttributeError):
+            known = {}  # an answer this version does not understand: the oracle still decides
         by_name: dict[tuple[int, int], list[str]] = {}
         for (_, epoch, step), state in known.items():
             by_name.setdefault((epoch, step), []).append(state)
@@ -240,6 +391,11 @@ class ConversionError(OracleError):
     """ckptd could not give the job a checkpoint in its layout (the launcher gives up, never starts fresh)."""
 
 
+class ConversionUnavailable(ConversionError, OracleUnavailable):
+    """ckptd could not be asked about a conversion right now: the launcher asks again within
+    ``--oracle-wait``, and then gives up (never a local scan or a fresh start)."""
+
+
 def _admin_token() -> str | None:
     return os.environ.get("CKPTD_ADMIN_TOKEN") or os.environ.get("CKPTD_TOKEN")
 
@@ -261,9 +417,12 @@ def _call(url: str, method: str, body: dict | None, timeout: float) -> object:
         except (ValueError, AttributeError):
             detail = None
         msg = detail.get("message") if isinstance(detail, dict) else detail
-        raise ConversionError(f"ckptd answered HTTP {err.code} to {method} {url}: {msg or err.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        raise ConversionError(f"ckptd unreachable ({method} {url}): {err}") from None
+        kind = ConversionUnavailable if is_transient(err) else ConversionError
+        raise kind(f"ckptd answered HTTP {err.code} to {method} {url}: {msg or err.reason}") from None
+    except ValueError as err:
+        raise ConversionError(f"ckptd's answer to {method} {url} is not JSON: {err}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        raise ConversionUnavailable(f"ckptd unreachable ({method} {url}): {_reason(err)}") from None
 
 
 def request_conversion(url: str, run: str, step: int, tp: int, dp: int, timeout: float = 30.0) -> int:
