@@ -268,7 +268,9 @@ def test_the_openapi_document_describes_what_the_server_returns(root, sqlite_ser
             codes = set(op["responses"])
             where = f"{method.upper()} {path}"
             for code, answer in op["responses"].items():
-                if code.startswith(("4", "5")):
+                if (where, code) == ("GET /healthz", "503"):  # a stalled daemon answers its health body
+                    assert answer["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/HealthzOut"}}}
+                elif code.startswith(("4", "5")):
                     assert answer["content"] == {"application/json": {"schema": error_ref}}, where
             assert "422" in codes, where
             if op.get("security"):
@@ -283,8 +285,9 @@ def test_the_openapi_document_describes_what_the_server_returns(root, sqlite_ser
                     assert (p["schema"]["minimum"], p["schema"]["maximum"]) == (0, 2**63 - 1), where
                 if p["name"] == "job_id":
                     assert (p["schema"]["minimum"], p["schema"]["maximum"]) == (1, 2**31 - 1), where
-    assert not [c for c in map(str, range(500, 600)) for ops in doc["paths"].values() for op in ops.values()
-                if c in op["responses"]]
+    # no 5xx is ever documented, but /healthz's 503 (a stalled worker, for supervisors and load balancers)
+    assert [(path, c) for c in map(str, range(500, 600)) for path, ops in doc["paths"].items() for op in ops.values()
+            if c in op["responses"]] == [("/healthz", "503")]
     # the framework's own errors come in the same body
     r = sqlite_server.client("a-token").get("/v1/nowhere")
     assert r.status_code == 404 and r.json()["detail"]["code"] == "not_found"
