@@ -1,7 +1,7 @@
 """Fixture generator: the legacy on-disk layout of MindFormers 2.1.0's ``CheckpointMonitor``.
 
 Every checkpoint file is written by the REAL ``mindspore.save_checkpoint`` (CPU) with the arguments
-MindFormers passes (reference: /work/shared/reference/mindformers/LAYOUTS.md §1; MindFormers source
+MindFormers passes (reference: the team's MindFormers LAYOUTS.md §1, not part of this repository; MindFormers source
 ``core/callback/callback.py`` ``CheckpointMonitor.save_checkpoint`` / ``remove_redundancy`` /
 ``save_checkpoint_network`` / ``record_last_ckpt_to_json``, MindSpore ``train/model.py``
 ``_save_final_ckpt``). What is reproduced exactly:

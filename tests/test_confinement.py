@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def _daemon(root: Path, url: str) -> Daemon:
 # --- the one function ------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(60)
 def test_open_beneath_refuses_every_escape(root, outside):
     (root / "run" / "rank_0").mkdir(parents=True)
     (root / "run" / "rank_0" / "ok.ckpt").write_bytes(b"x")
@@ -58,11 +60,9 @@ def test_open_beneath_refuses_every_escape(root, outside):
         root / "run" / "dir.ckpt": "directory",
         root / ".." / "outside" / "secret": "outside the checkpoint root",
     }
-    for path, why in cases.items():
-        t0 = time.monotonic()
+    for path, why in cases.items():  # a FIFO that blocked would hang here: the test's timeout fails it
         with pytest.raises(confine.ConfinementError, match=why):
             confine.read_beneath(str(root), str(path), 100)
-        assert time.monotonic() - t0 < 1  # a FIFO never blocks
     with pytest.raises(confine.ConfinementError):
         confine.make_dirs_beneath(str(root), str(root / "run" / "strategy" / "new"))
     assert not (outside / "new").exists()
@@ -89,9 +89,8 @@ def test_fifos_never_freeze_the_daemon(ms, root, catalog_url):
         assert query(catalog_url, "SELECT count(*) FROM shards WHERE path LIKE :p", p=f"{root / 'f'}%") == [(0,)]
         assert query(catalog_url, "SELECT count(*) FROM strategy_files WHERE path LIKE :p", p=f"{root / 'f'}%") == [(0,)]
     finally:
-        t0 = time.monotonic()
-        d.stop()
-        assert time.monotonic() - t0 < 30  # shutdown is not held by a blocked open
+        d.stop()  # a worker blocked in open() would hold this: the test's timeout fails it
+        assert all(not t.is_alive() for t in threading.enumerate() if t.name.startswith("ckptd-verify"))
 
 
 def test_symlinks_are_never_followed_at_start_or_while_running(ms, root, outside, catalog_url, caplog):
