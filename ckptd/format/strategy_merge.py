@@ -29,14 +29,13 @@ strategy directory sees all of it at once.
 
 from __future__ import annotations
 
-import errno
 import json
 import numbers
 import os
 import re
-import stat
 from typing import Iterable, Mapping
 
+from ckptd import confine
 from ckptd.errors import StrategyError
 from ckptd.format.layout import TensorLayout
 from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
@@ -330,23 +329,18 @@ def load_rank_strategies(
 
 
 def _read_regular(path: str, max_bytes: int) -> bytes:
-    """The bytes of a regular file, refusing symlinks and special files before reading anything."""
+    """The bytes of a regular file of the strategy directory, opened by ckptd's one confinement
+    rule (``ckptd.confine``: no symlink, no FIFO or device, never blocks), within ``max_bytes``."""
     try:
-        # lstat first: a device node or FIFO is never even opened (opening some devices acts)
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise _not_regular(path)
-        # O_NOFOLLOW | O_NONBLOCK: if the name was swapped for a symlink or FIFO since, don't follow or block
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = confine.open_beneath(os.path.dirname(path), path)
+    except confine.ConfinementError:
+        raise _not_regular(path) from None
     except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise _not_regular(path) from None
         raise StrategyError(f"cannot read strategy file: {err.strerror or err}", path=path) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path)
-        if st.st_size > max_bytes:
-            raise StrategyLimitError(f"{st.st_size} bytes is too large for a strategy file (ckptd's limit is "
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise StrategyLimitError(f"{size} bytes is too large for a strategy file (ckptd's limit is "
                                      f"{max_bytes} bytes)", path=path)
         chunks, total = [], 0
         while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
