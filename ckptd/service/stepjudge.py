@@ -129,6 +129,11 @@ class StepJudge:
                 # shards changed, or the step was re-bound to a new layout, while we checked: the
                 # verdict would be stale; whoever changed it asked for a new check
                 return []
+            if any(r.state == ShardState.COMPLETE.value for r in now_rows if r.id in visible):
+                # files registered after this check was found due (a subset-save step is due with
+                # whatever is verified) are still being verified: their verification asks again,
+                # and a verdict now would be stored before their content steps are known
+                return []
             distributed = len(visible) < len(rows)
             facts: dict[int, ShardFacts] = {}
             for r in now_rows:
