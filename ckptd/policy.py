@@ -122,6 +122,8 @@ class ResumePolicy:
             return "marked bad by an operator" + (f": {s.bad_reason}" if s.bad_reason else "")
         if s.state == "corrupt":
             return "corrupt: " + (s.reason or "a shard failed verification")
+        if s.state == "incomplete" and s.reason:
+            return f"incomplete: {s.reason}"  # which files are missing, when the catalog knows
         if s.state != "verified":
             return _STATE_REASONS.get(s.state, s.state)
         if s.health_reason:

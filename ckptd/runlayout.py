@@ -12,6 +12,13 @@ A run is one directory under the root, in one of two layouts, told apart by the 
       <root>/<run>/strategy/merged_ckpt_strategy*.ckpt      merge_pipeline_strategys' output (sometimes)
       <root>/<run>/health_ckpts.json                        health records (is_health 1 = abnormal)
       <root>/<run>/checkpoint_network|checkpoint_trainable/ network-only copies: not training checkpoints
+    mindformers2 (MindFormers Checkpoint 2.0, ``use_legacy_format=False``; one directory per save)
+      <root>/<run>/checkpoint/iteration_<8 digits>/<P>-model-<i:07d>-<n:07d>.safetensors   model side, file i of n
+      <root>/<run>/checkpoint/iteration_<8 digits>/<P>-opt-<i:07d>-<n:07d>.safetensors     optimizer side
+      <root>/<run>/checkpoint/iteration_<8 digits>/common.json    step counters, ckpt_status (1 = abnormal)
+      <root>/<run>/checkpoint/iteration_<8 digits>/metadata.json  every tensor's layout and file (world > 1)
+      <root>/<run>/checkpoint/latest_checkpointed_iteration.txt   MindFormers' commit record (a hint: torn,
+                                                                  dangling or stale in the field)
 
     <name>  = <file prefix>-<epoch>_<step>[_breakpoint].(ckpt|safetensors)
     <file prefix> = <P>[_rank_<r>][_<k>]
@@ -26,8 +33,12 @@ across ranks is ``(P[_k], epoch, step)`` — the rank tag is dropped (:attr:`Sha
 ``k`` is the incarnation. A rank tag that names another rank than the directory is kept in the
 prefix: the file is misplaced and must not pass for that rank's shard.
 
-The pure functions here classify and build paths; only :func:`rank_dirs` / :func:`detect_layout`
-list a directory.
+A Checkpoint 2.0 iteration is one step (prefix ``iteration``, epoch 0, step = the iteration); its
+files are its shards, numbered by :func:`iteration_slot` (file numbers are not ranks: a balanced save
+numbers only the ranks that got shards, and model and optimizer sides are numbered separately).
+
+The pure functions here classify and build paths; only :func:`rank_dirs` / :func:`shard_dirs` /
+:func:`detect_layout` list a directory.
 """
 
 from __future__ import annotations
@@ -37,9 +48,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-Layout = Literal["native", "mindformers"]
+Layout = Literal["native", "mindformers", "mindformers2"]
 NATIVE: Layout = "native"
 MINDFORMERS: Layout = "mindformers"
+CKPT2: Layout = "mindformers2"
 SHARD_SUFFIXES = (".ckpt", ".safetensors")
 SIDECAR_SUFFIX = ".done"
 MF_CHECKPOINT_DIR = "checkpoint"
@@ -56,6 +68,14 @@ _SHARD_NAME = re.compile(
 _RANK_TAG = re.compile(r"^(?P<base>.+)_rank_(?P<rank>0|[1-9][0-9]*)(?:_(?P<k>[1-9][0-9]*))?$")
 _RANK_STRATEGY = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
 _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
+MF2_TRACKER = "latest_checkpointed_iteration.txt"
+MF2_COMMON = "common.json"
+MF2_METADATA = "metadata.json"
+ITERATION_PREFIX = "iteration"  # the catalog prefix of Checkpoint 2.0 steps
+_ITERATION_DIR = re.compile(r"^iteration_(\d{8,})$")  # f"iteration_{it:08d}": more digits past 99,999,999
+_ITERATION_FILE = re.compile(
+    r"^(?:(?P<prefix>.+)-)?(?P<role>model|opt)-(?P<index>\d{7,})-(?P<total>\d{7,})\.safetensors$")
+Role = Literal["metadata", "common", "model", "opt"]
 MAX_RANK = 1 << 20  # far above any job (a 1M-rank directory is a planted name, not a rank)
 MAX_STEP = (1 << 63) - 1  # the catalog's BIGINT
 
@@ -68,11 +88,14 @@ class ShardName:
     epoch: int
     step: int  # within the epoch, from the file name
     breakpoint: bool
-    format: Literal["ckpt", "safetensors"]
+    format: Literal["ckpt", "safetensors", "json"]
     layout: Layout = NATIVE
     #: which restart wrote it (the ``_k`` after a rank tag; 0 = the first); None = not knowable from
     #: the name (no rank tag: a user prefix may end in ``_<digits>`` by itself)
     incarnation: int | None = None
+    #: Checkpoint 2.0 only: which file of the iteration (``rank`` is then its :func:`iteration_slot`)
+    role: Role | None = None
+    total: int | None = None  # the ``-<n>`` of a model/opt file: how many files that side has
 
     @property
     def kind(self) -> str:
@@ -101,7 +124,14 @@ class HealthName:
     run: str
 
 
-PathKind = ShardName | StrategyName | MetaName | HealthName | None
+@dataclass(frozen=True, slots=True)
+class TrackerName:
+    """MindFormers Checkpoint 2.0's ``latest_checkpointed_iteration.txt`` of a run: a hint."""
+
+    run: str
+
+
+PathKind = ShardName | StrategyName | MetaName | HealthName | TrackerName | None
 
 
 def relative_parts(root: str, path: str) -> list[str] | None:
@@ -116,12 +146,19 @@ def is_in_flight(name: str) -> bool:
     return name.endswith(_IN_FLIGHT)
 
 
-def unusable_name(name: str) -> str | None:
-    """Why a directory entry that looks like ours cannot be catalogued (None: nothing wrong)."""
+def unusable_name(name: str, layout: Layout = NATIVE) -> str | None:
+    """Why a directory entry that looks like ours cannot be catalogued (None: nothing wrong);
+    ``layout``: that of the directory holding it (Checkpoint 2.0 files are named otherwise)."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         return "the name is not valid UTF-8"
+    if layout == CKPT2:
+        if name.endswith(SHARD_SUFFIXES) and (m := _ITERATION_FILE.match(name)) is None:
+            return "not a Checkpoint 2.0 file name (<prefix>-model|opt-<i:07d>-<n:07d>.safetensors)"
+        if name.endswith(SHARD_SUFFIXES) and not int(m.group("index")) < int(m.group("total")) <= MAX_RANK:
+            return "the file number is not below the file count, or the count is beyond any job"
+        return None
     if name.endswith(SHARD_SUFFIXES) and _SHARD_NAME.match(name) is None:
         return "not a checkpoint name MindSpore writes (<prefix>-<epoch>_<step>.ckpt|.safetensors)"
     m = _SHARD_NAME.match(name)
@@ -145,12 +182,48 @@ def parse_shard_name(name: str, rank: int) -> tuple[str, int, int, bool, str, in
     return prefix, int(m.group("epoch")), int(m.group("step")), bool(m.group("bp")), fmt, incarnation
 
 
+def iteration_slot(role: Role, index: int = 0) -> int:
+    """The shard number of a Checkpoint 2.0 file (the catalog's ``rank`` for these steps)."""
+    return {"metadata": 0, "common": 1, "model": 2 + 2 * index, "opt": 3 + 2 * index}[role]
+
+
+def slot_role(slot: int) -> tuple[Role, int]:
+    """Inverse of :func:`iteration_slot`: ``(role, file index)``."""
+    if slot < 2:
+        return ("metadata" if slot == 0 else "common"), 0
+    return ("model" if slot % 2 == 0 else "opt"), (slot - 2) // 2
+
+
+def parse_iteration_file(run: str, iteration: int, name: str) -> ShardName | None:
+    """A file of ``iteration_<it>/`` as a shard of that step, or None when it is not one."""
+    if name in (MF2_COMMON, MF2_METADATA):
+        role: Role = "common" if name == MF2_COMMON else "metadata"
+        return ShardName(run, iteration_slot(role), ITERATION_PREFIX, 0, iteration, False, "json", CKPT2, None, role)
+    m = _ITERATION_FILE.match(name)
+    if m is None or unusable_name(name, CKPT2) is not None:
+        return None
+    index, total = int(m.group("index")), int(m.group("total"))
+    side: Role = "model" if m.group("role") == "model" else "opt"
+    return ShardName(run, iteration_slot(side, index), ITERATION_PREFIX, 0, iteration, False, "safetensors",
+                     CKPT2, None, side, total)
+
+
+def parse_iteration_dir(name: str) -> int | None:
+    m = _ITERATION_DIR.match(name)
+    return int(m.group(1)) if m is not None and int(m.group(1)) <= MAX_STEP else None
+
+
 def classify(root: str, path: str) -> PathKind:
     """What ``path`` is in the checkpoint layout (None = not ours to care about)."""
     parts = relative_parts(root, path)
     if not parts or is_in_flight(parts[-1]) or any(p.startswith(".") for p in parts):
         return None
     run, name = parts[0], parts[-1]
+    if len(parts) >= 3 and parts[1] == MF_CHECKPOINT_DIR:
+        if len(parts) == 3 and name == MF2_TRACKER:
+            return TrackerName(run)
+        if len(parts) == 4 and (iteration := parse_iteration_dir(parts[2])) is not None:
+            return parse_iteration_file(run, iteration, name)
     rank_dir: str | None = None
     layout = NATIVE
     if len(parts) == 3:
@@ -249,17 +322,60 @@ def health_path(run_path: str) -> str:
     return os.path.join(run_path, MF_HEALTH)
 
 
+def iteration_dir(run_path: str, iteration: int) -> str:
+    return os.path.join(run_path, MF_CHECKPOINT_DIR, f"iteration_{iteration:08d}")
+
+
+def iteration_file_name(prefix: str | None, role: Role, index: int = 0, total: int = 1) -> str:
+    """``get_checkpoint_name``'s ``{P}-{model|opt}-{i:07d}-{n:07d}.safetensors`` (no ``P-`` without a prefix)."""
+    if role in ("common", "metadata"):
+        return MF2_COMMON if role == "common" else MF2_METADATA
+    return (f"{prefix}-" if prefix else "") + f"{role}-{index:07d}-{total:07d}.safetensors"
+
+
+def tracker_path(run_path: str) -> str:
+    return os.path.join(run_path, MF_CHECKPOINT_DIR, MF2_TRACKER)
+
+
 # --- listing ------------------------------------------------------------------------------------
 
 
 def detect_layout(run_path: str) -> Layout:
-    """A run is MindFormers-shaped when ``checkpoint/rank_<r>/`` exists (decided per run)."""
-    return MINDFORMERS if _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR)) else NATIVE
+    """A run is MindFormers-shaped when ``checkpoint/rank_<r>/`` exists, Checkpoint 2.0 when
+    ``checkpoint/iteration_<it>/`` does (decided per run; legacy wins if a run holds both)."""
+    if _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR)):
+        return MINDFORMERS
+    return CKPT2 if iteration_dirs(run_path) else NATIVE
+
+
+def iteration_dirs(run_path: str) -> dict[int, str]:
+    """``checkpoint/iteration_<it>/`` directories of a run (real directories, no symlinks)."""
+    found: dict[int, str] = {}
+    try:
+        with os.scandir(os.path.join(run_path, MF_CHECKPOINT_DIR)) as it:
+            for entry in it:
+                iteration = parse_iteration_dir(entry.name)
+                if iteration is not None and entry.is_dir(follow_symlinks=False):
+                    found[iteration] = entry.path
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return found
+
+
+def shard_dirs(run_path: str) -> list[tuple[str, Layout]]:
+    """Every directory of a run that holds shards, with its layout (what a rescan lists)."""
+    layout = detect_layout(run_path)
+    if layout == CKPT2:
+        return [(d, CKPT2) for _, d in sorted(iteration_dirs(run_path).items())]
+    return [(d, layout) for d in rank_dirs(run_path, layout).values()]
 
 
 def rank_dirs(run_path: str, layout: Layout | None = None) -> dict[int, str]:
-    """``rank_<r>`` shard directories of a run in its layout (real directories, no symlinks)."""
+    """``rank_<r>`` shard directories of a run in its layout (real directories, no symlinks;
+    none for Checkpoint 2.0, whose shards live in iteration directories)."""
     layout = layout or detect_layout(run_path)
+    if layout == CKPT2:
+        return {}
     return _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path)
 
 

@@ -39,10 +39,28 @@ class SubsetShardRef(ShardRef):
     load_from: list[str] = Field(description="every file holding the rank's slices")
 
 
+class IterationFileRef(ShardRef):
+    """A file of a Checkpoint 2.0 iteration (``rank`` is its number in the iteration, see ``role``)."""
+
+    role: str = Field(description="model | opt | common | metadata")
+
+
+class TrackerInfo(BaseModel):
+    path: str
+    iteration: int | None = Field(description="what latest_checkpointed_iteration.txt names (null: nothing usable)")
+    agrees: bool = Field(description="MindFormers, trusting the tracker, would load the answered iteration")
+    note: str
+
+
 class MindFormersResume(BaseModel):
-    load_checkpoint: str = Field(description="MindFormers' load_checkpoint: the directory holding rank_<r>/")
-    resume_training: str | None = Field(description="MindFormers' resume_training: the file name (rank 0's; "
-                                                    "MindFormers substitutes each rank's _rank_<r>)")
+    load_checkpoint: str = Field(description="MindFormers' load_checkpoint: the directory holding rank_<r>/ "
+                                             "(legacy), or the answered iteration_<it>/ directory (Checkpoint 2.0)")
+    resume_training: str | bool | None = Field(description="MindFormers' resume_training: the file name (legacy; "
+                                                           "rank 0's, MindFormers substitutes each rank's _rank_<r>), "
+                                                           "or true (Checkpoint 2.0)")
+    checkpoint_dir: str | None = Field(default=None, description="Checkpoint 2.0: the directory holding the tracker "
+                                                                 "and iteration_<it>/ (load from it after --repair-tracker)")
+    tracker: TrackerInfo | None = Field(default=None, description="Checkpoint 2.0: what the commit record says")
     loadable_by_mindformers: bool = Field(description="every rank has a file of its own (else load per shards[].load_from)")
     remove_redundancy: bool = Field(description="each rank's file holds only its share: load with remove_redundancy=True")
 
@@ -69,11 +87,12 @@ class ResumeAnswer(BaseModel):
     prefix: str
     incarnation: int | None = Field(description="which restart into the run's directory wrote it (MindSpore's _k "
                                                 "prefix suffix); null when the file names do not say")
-    layout: str = Field(description="native (<run>/rank_<r>/) or mindformers (<run>/checkpoint/rank_<r>/)")
+    layout: str = Field(description="native (<run>/rank_<r>/), mindformers (<run>/checkpoint/rank_<r>/) or "
+                                    "mindformers2 (Checkpoint 2.0: <run>/checkpoint/iteration_<it>/)")
     world_size: int | None
     strategy_file: str | None
     strategy_hash: str | None
-    shards: list[ShardRef | SubsetShardRef] = Field(description="the file each rank loads (one verified shard per rank)")
+    shards: list[ShardRef | SubsetShardRef | IterationFileRef] = Field(description="the file each rank loads (one verified shard per rank)")
     unreachable_nodes: list[str] = Field(description="nodes holding shards of this step whose daemon is silent: their "
                                                      "files were verified but cannot be seen now (exclude_unreachable=true "
                                                      "answers the newest step without them)")

@@ -156,6 +156,13 @@ class Owner:
 LOCAL = Owner(socket.gethostname() or "localhost")
 
 
+def shard_paths(session: Session, ckpt_id: int) -> list[str]:
+    """Paths of a step's shards that are part of it now (not deleted, not superseded)."""
+    return list(session.execute(select(Shard.path).where(
+        Shard.checkpoint_id == ckpt_id,
+        Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))).scalars())
+
+
 def register_shards(
     session: Session, ckpt: Checkpoint, files: list[ShardFile], layout_now: tuple[int, int] | None = None,
     owner: Owner = LOCAL,

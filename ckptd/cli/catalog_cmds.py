@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import sys
 from typing import Any
 
@@ -44,6 +45,10 @@ def register(sub: Any) -> None:
     r.add_argument("--world-size", type=int, help="target world size (says whether a conversion is needed)")
     r.add_argument("--skip-spikes", action="store_true", help="skip steps from the first loss spike on")
     r.add_argument("--no-lease", action="store_true", help="do not protect the answer from retention")
+    r.add_argument("--repair-tracker", action="store_true",
+                   help="Checkpoint 2.0: rewrite latest_checkpointed_iteration.txt (atomically) to the answered "
+                        "iteration, for a MindFormers launch that loads the checkpoint directory unmodified")
+    r.add_argument("--dry-run", action="store_true", help="with --repair-tracker: say what would be written, write nothing")
     _common(r)
     r.set_defaults(handler=cmd_resume)
 
@@ -211,11 +216,36 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if not mf["loadable_by_mindformers"]:
             lines.append("mindformers: some ranks have no file of their own: MindFormers' loader cannot load this "
                          "step as is; load each rank from shards[].load_from (--json)")
+        if mf.get("tracker"):
+            lines.append(f"mindformers: tracker {mf['tracker']['path']}: {mf['tracker']['note']}")
+    if args.repair_tracker or args.dry_run:
+        doc["tracker_repair"] = _repair_tracker(args, doc)
+        lines.append(_repair_line(doc["tracker_repair"]))
     lines += [f"skipped step {x['step']}: {x['reason']}" for x in doc["skipped"]]
     if doc["conversion"]:
         lines.append(f"conversion needed: world size {doc['conversion']['from_world_size']} -> {doc['conversion']['to_world_size']}")
     _emit(args, doc, "\n".join(lines))
     return 0
+
+
+def _repair_tracker(args: argparse.Namespace, doc: dict) -> dict:
+    from ckptd.service import tracker
+
+    if doc.get("layout") != "mindformers2":
+        raise CkptdError(f"run {doc['run']!r} is not a Checkpoint 2.0 run (layout {doc.get('layout')}): it has no tracker",
+                         hint="--repair-tracker applies to MindFormers runs with iteration_<it>/ directories")
+    run_path = os.path.dirname(doc["mindformers"]["checkpoint_dir"])
+    # the answer is a verified iteration by construction: the oracle only answers verified steps;
+    # the run's own directory bounds what may be written (it is <root>/<run> in the catalog)
+    return tracker.repair(os.path.dirname(run_path), run_path, doc["name_step"], verified=True, dry_run=args.dry_run)
+
+
+def _repair_line(rep: dict) -> str:
+    before = rep["before"] if rep["before"] is not None else rep["before_problem"]
+    if rep["before"] == rep["after"]:
+        return f"tracker {rep['path']}: already names iteration {rep['after']}, nothing written"
+    verb = "would rewrite" if rep["dry_run"] else "rewrote"
+    return f"tracker {rep['path']}: {verb} {before} -> {rep['after']} (temp file, fsync, rename, fsync dir)"
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
-from ckptd.service import rank_strategies, runhints
+from ckptd.service import iteration, rank_strategies, runhints
 from ckptd.settings import Settings
 from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
 
@@ -101,12 +101,12 @@ class Ingestor:
         for run in runs:
             run_path = os.path.join(self.root, run)
             self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
-            for rank_path in runlayout.rank_dirs(run_path).values():
-                with os.scandir(rank_path) as it:
+            for shard_dir, layout in runlayout.shard_dirs(run_path):
+                with os.scandir(shard_dir) as it:
                     for entry in it:
                         if should_stop():
                             return report  # the catalog is unchanged by what was not examined
-                        why = runlayout.unusable_name(entry.name)
+                        why = runlayout.unusable_name(entry.name, layout)
                         if why is not None and not runlayout.is_in_flight(entry.name):
                             self.note_ignored(entry.path, why)
                             continue
@@ -276,7 +276,7 @@ class Ingestor:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
                 run.path = os.path.join(self.root, run_name)
-            if run.layout != layout and (run.layout is None or layout == runlayout.MINDFORMERS):
+            if run.layout != layout and run.layout in (None, runlayout.NATIVE):
                 run.layout = layout  # a run holds one layout; a MindFormers tree is never taken for native
             strategy = rank_strategies.current(s, self.root, run)
             expected = self._expected_ranks(run, strategy)
@@ -293,6 +293,11 @@ class Ingestor:
                 ckpt.expected_ranks = expected
             layout_now = (strategy.world_size, layout_history.appeared_ns(strategy.mtime_ns, strategy.seen_at)) if strategy else None
             registered = repo.register_shards(s, ckpt, [f for _, f, _ in files], layout_now, self.nodes.owner())
+            if layout == runlayout.CKPT2:  # an iteration's file names say how many files it has
+                present = {os.path.basename(p) for p in repo.shard_paths(s, ckpt.id)}
+                need = iteration.required_by_names(present)
+                ckpt.expected_ranks = max(ckpt.expected_ranks or 0, len(need))
+                missing = sorted(need - present)
             superseded: frozenset = frozenset()
             if strategy is not None and ckpt.strategy_id not in (None, strategy.id):
                 resave = self._follow_layout_change(s, ckpt)  # None unless the step was re-saved under a newer layout
@@ -311,6 +316,8 @@ class Ingestor:
                     to_verify.append(reg.shard_id)  # also re-queues shards a crashed daemon left unverified
             if any(reg.changed for reg in registered):
                 ckpt.step_checks_ok, ckpt.reason = None, None
+                if layout == runlayout.CKPT2 and missing:  # what an operator asks first about a partial save
+                    ckpt.reason = "missing " + ", ".join(missing[:10]) + (" …" if len(missing) > 10 else "")
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id
         if to_verify:
@@ -371,6 +378,8 @@ class Ingestor:
 
     def _parse_error(self, path: str) -> CkptdError | None:
         """'complete' requires that the file parses; this reads record headers only."""
+        if path.endswith(".json"):  # a Checkpoint 2.0 record: parsed whole by the verifier
+            return None
         try:
             with open_checkpoint(path, self.key, index_cache=self.index_cache):
                 return None

@@ -152,6 +152,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(run.path, dict(shards), ckpt) if run.layout == runlayout.MINDFORMERS else None,
     }
+    if run.layout == runlayout.CKPT2:
+        return _iteration_answer(answer, run.path, ckpt, rows, steps, s)
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
     if other_world or other_layout:
@@ -205,6 +207,29 @@ def mindformers_block(run_path: str, own: dict[int, str], ckpt: Checkpoint) -> d
         "loadable_by_mindformers": ckpt.expected_ranks is not None and set(own) >= set(range(ckpt.expected_ranks)),
         "remove_redundancy": bool(ckpt.load_plan) and set(own) >= set(range(ckpt.expected_ranks or 0)),
     }
+
+
+def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, rows: list, steps: list[StepInfo],
+                      s: Session) -> dict[str, Any]:
+    """A Checkpoint 2.0 iteration: its files (``rank`` is the file's slot, ``role`` says which),
+    where MindFormers loads it from, and what the tracker says. MindFormers re-shards 2.0
+    checkpoints into the running layout itself, so there is no world size and no conversion."""
+    from ckptd.service import tracker
+
+    root = os.path.dirname(run_path)
+    answer["world_size"] = None
+    answer["shards"] = [{"rank": rank, "path": path, "node": node, "role": runlayout.slot_role(rank)[0]}
+                        for rank, path, node in rows]
+    states = {st.step: (st.state, st.reason) for st in steps}
+    answer["mindformers"] = {
+        "load_checkpoint": runlayout.iteration_dir(run_path, ckpt.step),
+        "resume_training": True,
+        "loadable_by_mindformers": True,
+        "remove_redundancy": False,
+        "checkpoint_dir": os.path.dirname(runlayout.tracker_path(run_path)),
+        "tracker": tracker.judge(tracker.read(root, run_path), ckpt.step, states, run_path),
+    }
+    return answer
 
 
 def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None) -> dict[str, Any]:

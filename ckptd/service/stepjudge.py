@@ -28,6 +28,7 @@ from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
+from ckptd.service import iteration
 from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
 from ckptd.settings import Settings
 from ckptd.states import ShardState, allows_subset
@@ -106,6 +107,8 @@ class StepJudge:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None:
                 return []
+            if _layout(s, ckpt) == runlayout.CKPT2:
+                return self._check_iteration(ckpt_id, unjudged_only)
             rows = self._rows(s, ckpt_id)
             strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected = ckpt.expected_ranks
@@ -153,6 +156,41 @@ class StepJudge:
             self._store(s, ckpt, verdict, problems, time.perf_counter() - t0)
         return problems
 
+    def _check_iteration(self, ckpt_id: int, unjudged_only: bool) -> list[str]:
+        """A Checkpoint 2.0 iteration: judged from its own records (:mod:`ckptd.service.iteration`).
+        MindFormers requires shared storage for these saves, so every file is visible here."""
+        with self.sessions() as s:
+            ckpt = s.get(Checkpoint, ckpt_id)
+            rows = self._rows(s, ckpt_id)
+            step = ckpt.step
+        if not rows or not all(os.path.exists(r.path) for r in rows):
+            return []  # a file vanished since it was judged ready: its deletion asks again
+        t0 = time.perf_counter()
+        verdict = iteration.judge(str(self.settings.root), step, {r.rank: r.path for r in rows})
+        with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)
+            if unjudged_only and ckpt.step_checks_ok is not None:
+                return []
+            if [r.file for r in self._rows(s, ckpt_id)] != [r.file for r in rows] \
+                    or any(r.state == ShardState.COMPLETE.value for r in rows):
+                return []  # changed or still being verified meanwhile: whoever changed it asks again
+            reason = verdict.reason()
+            if verdict.incomplete:
+                # not judged: the files may still arrive (async saves write the JSON records first);
+                # the step is short of files until then, so it reads as incomplete with this reason
+                ckpt.step_checks_ok, ckpt.reason = None, reason
+                ckpt.expected_ranks = max(verdict.required, len(rows) + len(verdict.missing))
+            else:
+                ckpt.step_checks_ok, ckpt.reason = not verdict.problems, reason
+                ckpt.expected_ranks = verdict.required
+                if not verdict.problems:
+                    ckpt.global_step = step  # the iteration *is* the global step (resumed offset included)
+            ckpt.health_reason = verdict.health_reason
+            repo.add_event(s, ckpt.id, None, "step", "ok" if ckpt.step_checks_ok else "failed", reason,
+                           time.perf_counter() - t0)
+            repo.recompute_step_state(s, ckpt)
+        return verdict.problems + [f"missing {name}" for name in verdict.missing]
+
     def _facts(self, row: _Row, strategy: Strategy | None, names: tuple[str, ...], subset: bool) -> ShardFacts:
         return shard_facts(ShardRef(row.rank, row.path), strategy, self.key, names, subset=subset,
                            index_cache=self.index_cache)
@@ -193,6 +231,11 @@ def _fresh(row: _Row, stamp: str) -> ShardFacts | None:
         return ShardFacts.decode(doc["facts"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _layout(s: Session, ckpt: Checkpoint) -> str | None:
+    run = s.get(Run, ckpt.run_id)
+    return run.layout if run is not None and ckpt.kind != "converted" else None
 
 
 def _subset(s: Session, ckpt: Checkpoint) -> bool:

@@ -28,6 +28,7 @@ from ckptd import confine
 from ckptd.catalog import repo
 from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Shard, StrategyFile
+from ckptd.format import mf2
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy
@@ -323,7 +324,8 @@ class Verifier:
             # the very file that passed confinement (never a symlink, FIFO or device) is read, by
             # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
             with confine.opened(str(self.settings.root), path) as name:
-                values, problems = self._check_file(name, path)
+                values, problems = (self._check_record(name, path) if path.endswith(".json")
+                                    else self._check_file(name, path))
         except confine.ConfinementError as err:
             values, problems = {"digest": known_digest}, [(err.code, err.message)]
         except FileNotFoundError:
@@ -357,6 +359,17 @@ class Verifier:
         if self.settings.require_encryption and report.format == "ckpt" and report.encryption is None and not problems:
             problems.append(("policy", "plaintext shard but require_encryption is set"))
         return values, problems
+
+    @staticmethod
+    def _check_record(name: str, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
+        """A Checkpoint 2.0 JSON record (``common.json``, ``metadata.json``): it must parse as
+        MindFormers writes it; what it says is judged with the iteration (ckptd.service.iteration)."""
+        with open(name, "rb") as fh:
+            raw = fh.read(mf2.MAX_METADATA_BYTES + 1)
+        values: dict[str, object] = {"digest": xxhash.xxh3_128_hexdigest(raw), "format": "json", "encryption": None,
+                                     "crc": "absent"}
+        problem = mf2.record_problem(raw, path)
+        return values, [] if problem is None else [(problem.code, str(problem))]
 
     # --- steps ---------------------------------------------------------------------------------
 

@@ -1,0 +1,96 @@
+"""MindFormers Checkpoint 2.0's commit record, ``latest_checkpointed_iteration.txt``: read it as a
+hint, say where it is wrong, and — only when asked — repair it.
+
+MindFormers' resume (``get_checkpoint_path``) trusts the tracker alone: an empty or torn one fails
+the launch, one that names a rotated-away or half-rewritten iteration fails or loads a partial
+save. The resume oracle answers from the catalog instead and reports the tracker's state next to
+the answer. :func:`repair` rewrites the record to the answered iteration for launchers that run
+MindFormers unmodified (``load_checkpoint`` = the ``checkpoint`` directory): temp file, fsync,
+rename, fsync of the directory — unlike MindFormers' in-place write.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd import confine, runlayout
+from ckptd.errors import CkptdError
+from ckptd.format import mf2
+from ckptd.format.atomic import atomic_write
+
+TRACKER_MODE = 0o640  # what MindFormers leaves
+
+
+@dataclass(frozen=True)
+class Tracker:
+    path: str
+    iteration: int | None  # what it names; None when it names nothing
+    problem: str | None  # why it is unusable (absent, empty, torn, not a regular file)
+
+
+def read(root: str, run_path: str) -> Tracker:
+    path = runlayout.tracker_path(run_path)
+    try:
+        raw = confine.read_beneath(root, path, mf2.MAX_TRACKER_BYTES)
+    except FileNotFoundError:
+        return Tracker(path, None, "absent (no save finalized yet, or written elsewhere)")
+    except (OSError, confine.ConfinementError) as err:
+        return Tracker(path, None, f"unreadable: {getattr(err, 'message', None) or err}")
+    parsed = mf2.parse_tracker(raw)
+    return Tracker(path, parsed, None) if isinstance(parsed, int) else Tracker(path, None, parsed)
+
+
+def judge(tracker: Tracker, chosen: int, states: dict[int, tuple[str, str | None]], run_path: str) -> dict[str, Any]:
+    """The answer's ``tracker`` block: what it names and whether MindFormers, trusting it, would
+    load the answered iteration. ``states``: catalogued iteration -> (state, reason)."""
+    out: dict[str, Any] = {"path": tracker.path, "iteration": tracker.iteration, "agrees": tracker.iteration == chosen}
+    it = tracker.iteration
+    if it is None:
+        note = f"unusable: {tracker.problem}; MindFormers' get_checkpoint_path fails or treats the directory as an iteration"
+    elif it == chosen:
+        note = "names the answered iteration"
+    elif not os.path.isdir(runlayout.iteration_dir(run_path, it)):
+        note = f"names iteration {it}, which does not exist (rotated away before an async save was finalized?)"
+    elif it in states and states[it][0] != "verified":
+        state, reason = states[it]
+        note = f"names iteration {it}, which is {state}" + (f": {reason}" if reason else "")
+    elif it < chosen:
+        note = (f"lags: names iteration {it}; {chosen} is whole (every file present and verified) but an async save's "
+                "finalize has not advanced the tracker yet, or the job died before it")
+    else:
+        note = f"names iteration {it}, which the oracle passed over (see skipped)"
+    out["note"] = note
+    return out
+
+
+def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run: bool = False) -> dict[str, Any]:
+    """Make the tracker name ``iteration`` (a verified iteration: the caller's evidence). Refuses
+    anything unverified or absent; writes nothing when it already agrees or on ``dry_run``."""
+    before = read(root, run_path)
+    target_dir = runlayout.iteration_dir(run_path, iteration)
+    if not verified:
+        raise CkptdError(f"refusing to point the tracker at iteration {iteration}: it is not verified",
+                         path=before.path, hint="repair only to the oracle's answer (ckptd resume --repair-tracker)")
+    try:
+        confine.check_dir_beneath(root, target_dir)
+        if not os.path.isdir(target_dir):
+            raise FileNotFoundError(f"no directory {os.path.basename(target_dir)}")
+    except (FileNotFoundError, confine.ConfinementError) as err:
+        raise CkptdError(f"refusing to point the tracker at iteration {iteration}: its directory is not a real "
+                         f"directory below the root ({getattr(err, 'message', err)})", path=target_dir,
+                         hint="rescan the root (it changed since it was verified)") from None
+    result: dict[str, Any] = {"path": before.path, "before": before.iteration, "before_problem": before.problem,
+                              "after": iteration, "dry_run": dry_run, "written": False}
+    if before.iteration == iteration or dry_run:
+        return result
+    directory = os.path.dirname(before.path)
+    confine.check_dir_beneath(root, directory)  # checkpoint/ itself may not lead outside the root
+    if os.path.lexists(before.path) and not confine.is_regular_beneath(root, before.path):
+        raise CkptdError("refusing to replace the tracker: it is not a regular file (symlink, FIFO, ...)",
+                         path=before.path, hint="remove it by hand after checking what it is")
+    with atomic_write(before.path, overwrite=True, mode=TRACKER_MODE) as fh:
+        fh.write(str(iteration).encode())  # MindFormers' own format: the number, no newline
+    result["written"] = True
+    return result
