@@ -348,6 +348,13 @@ def detect_layout(run_path: str) -> Layout:
     return CKPT2 if iteration_dirs(run_path) else NATIVE
 
 
+def is_iteration_dir(root: str, path: str) -> bool:
+    """``<root>/<run>/checkpoint/iteration_<it>`` (by name; the caller checks what it is on disk)."""
+    parts = relative_parts(root, path)
+    return parts is not None and len(parts) == 3 and parts[1] == MF_CHECKPOINT_DIR \
+        and parse_iteration_dir(parts[2]) is not None
+
+
 def iteration_dirs(run_path: str) -> dict[int, str]:
     """``checkpoint/iteration_<it>/`` directories of a run (real directories, no symlinks)."""
     found: dict[int, str] = {}

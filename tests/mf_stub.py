@@ -203,12 +203,104 @@ def _op_resume(req: dict) -> dict:
     return {"results": results}
 
 
+def _dense_net():
+    """MindFormers' reference sample network (``fc1: Dense(4,8)``, ``fc2: Dense(8,2)``) with its optimizer."""
+    import mindspore as ms
+    from mindspore import nn
+
+    ms.set_seed(0)
+
+    class ToyNet(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Dense(4, 8), nn.Dense(8, 2)
+
+        def construct(self, x):
+            return self.fc2(self.fc1(x))
+
+    net = ToyNet()
+    return net, nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3)
+
+
+def _op_ckpt2_save(req: dict) -> dict:
+    """Checkpoint 2.0 saves by MindFormers' own ``checkpoint.save_checkpoint`` (single rank; sync, or
+    async with ``AsyncSaveManager`` and an explicit finalize), as the reference sample C does."""
+    from mindformers.checkpoint.checkpoint import AsyncSaveManager, CommonInfo, save_checkpoint
+
+    _context()
+    net, opt = _dense_net()
+    mgr = AsyncSaveManager(True) if req.get("async") else None
+    done: list = []
+    for it in req["iterations"]:
+        save_checkpoint(iteration=it, network=net, optimizer=opt, async_save_manager=mgr,
+                        common_info=CommonInfo(epoch_num=1, step_num=it, global_step=it, loss_scale=1.0,
+                                               global_batch_size=8),
+                        keep_max_num=int(req.get("keep_max", 5)), user_prefix=req["prefix"],
+                        save_checkpoint_path=req["root"], current_ckpt_step_list=done)
+    if mgr is not None and req.get("finalize", True):
+        mgr.maybe_finalize(wait_finish=True)
+    return {"ok": True}
+
+
+def _op_ckpt2_metadata(req: dict) -> dict:
+    """``metadata.json`` (and ``common.json``) of a simulated dp x tp job, by MindFormers' own functions
+    (reference sample D): real ``mindspore.parallel.Layout`` objects, ``get_group_size`` patched to
+    the world size. The caller writes the safetensors files the metadata promises."""
+    import mindspore as ms
+    from mindspore.parallel import Layout
+
+    import mindformers.checkpoint.metadata as md
+    from mindformers.checkpoint.checkpoint import CommonInfo
+    from mindformers.checkpoint.fully_parallel import (
+        BalancedShardPlan, _compute_balanced_assignment_on_rank0, save_balanced_metadata)
+    from mindformers.checkpoint.sharded_tensor import get_sharded_tensor_from_strategy_metadata
+    from mindformers.checkpoint.utils import FileType
+
+    dp, tp = int(req["dp"]), int(req["tp"])
+    world = dp * tp
+    md.get_group_size = lambda: world
+    lay = Layout((dp, tp), ("dp", "tp"))
+    specs = {"tp_rows": lay("tp", "None"), "tp": lay("tp"), "tp_cols": lay("None", "tp"), "rep": lay("None")}
+    infos = {name: [specs[split], ms.float32, tuple(shape)] for name, split, shape in req["params"]}
+    metas = {r: get_sharded_tensor_from_strategy_metadata(infos, r) for r in range(world)}
+    model_keys = {name for name, _, _ in req["params"] if not name.startswith(("adam_m.", "adam_v."))}
+    for it_dir in req["plain"]:
+        os.makedirs(it_dir, exist_ok=True)
+        md.save_metadata(metas, md.get_total_params_file_mapping_info(metas, req["prefix"], model_keys),
+                         os.path.join(it_dir, "metadata.json"))
+    for root, it in req["balanced"]:
+        plans = []
+        for ftype, keep in ((FileType.MODEL, lambda n: n in model_keys), (FileType.OPTIMIZER, lambda n: n not in model_keys)):
+            side = {r: {n: t for n, t in m.items() if keep(n)} for r, m in metas.items()}
+            payloads, full = _compute_balanced_assignment_on_rank0(side, world)
+            plans.append((BalancedShardPlan(total_files_num=payloads[0][3], full_assignment=full), ftype, None))
+        os.makedirs(os.path.join(root, f"iteration_{it:08d}"), exist_ok=True)
+        save_balanced_metadata(root, it, req["prefix"], plans, metas)
+    for path, fields in req.get("common", []):
+        CommonInfo(**fields).save_common(path)
+    return {"ok": True}
+
+
+def _op_checkpoint_path(req: dict) -> dict:
+    """MindFormers' own Checkpoint 2.0 resume choice, ``get_checkpoint_path`` (LAYOUTS.md §3.2)."""
+    from mindformers.checkpoint.checkpoint import get_checkpoint_path
+
+    out = []
+    for path in req["paths"]:
+        try:
+            out.append({"path": get_checkpoint_path(path), "error": None})
+        except BaseException as err:  # noqa: BLE001 - ValueError/FileNotFoundError are its answers
+            out.append({"path": None, "error": f"{type(err).__name__}: {err}"})
+    return {"results": out}
+
+
 def main(argv: list[str]) -> int:
     req_path, res_path = argv[1], argv[2]
     with open(req_path, encoding="utf-8") as fh:
         req = json.load(fh)
     _stub_import()
-    ops_ = {"train": _op_train, "resume": _op_resume}
+    ops_ = {"train": _op_train, "resume": _op_resume, "ckpt2_save": _op_ckpt2_save,
+            "ckpt2_metadata": _op_ckpt2_metadata, "checkpoint_path": _op_checkpoint_path}
     result = ops_[req["op"]](req)
     tmp = res_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:

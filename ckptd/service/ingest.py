@@ -317,7 +317,7 @@ class Ingestor:
             if any(reg.changed for reg in registered):
                 ckpt.step_checks_ok, ckpt.reason = None, None
                 if layout == runlayout.CKPT2 and missing:  # what an operator asks first about a partial save
-                    ckpt.reason = "missing " + ", ".join(missing[:10]) + (" …" if len(missing) > 10 else "")
+                    ckpt.reason = iteration.describe_missing(missing, iteration.in_flight(os.path.dirname(files[0][1].path)))
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id
         if to_verify:

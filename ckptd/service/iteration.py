@@ -46,13 +46,23 @@ class IterationVerdict:
         return not self.problems and bool(self.missing)
 
     def reason(self) -> str | None:
-        parts = list(self.problems)
-        if self.missing:
-            parts.append("missing " + ", ".join(self.missing[:10]) + (f" and {len(self.missing) - 10} more"
-                                                                        if len(self.missing) > 10 else ""))
-        if self.in_flight:
-            parts.append("a save is still being written (" + ", ".join(self.in_flight[:5]) + ")")
-        return "; ".join(parts) or None
+        return "; ".join([*self.problems, *([describe_missing(self.missing, self.in_flight)] if self.missing else [])]) or None
+
+
+def describe_missing(missing: list[str], in_flight: list[str]) -> str:
+    text = "missing " + ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+    if in_flight:
+        text += "; a save is still being written (" + ", ".join(in_flight[:5]) + ")"
+    return text
+
+
+def in_flight(directory: str) -> list[str]:
+    """``*.tmp`` files in an iteration directory: MindSpore writes ``<stem>.tmp``, then renames."""
+    try:
+        with os.scandir(directory) as it:
+            return sorted(e.name for e in it if e.name.endswith(".tmp") and not e.name.startswith("."))
+    except OSError:
+        return []
 
 
 def required_by_names(file_names: Iterable[str]) -> set[str]:
@@ -107,7 +117,7 @@ def judge(root: str, iteration: int, files: dict[int, str]) -> IterationVerdict:
             bad += len(found)
             problems.extend(found)
     problems.extend(more)
-    return IterationVerdict(problems, missing, _in_flight(directory), len(required), health, common)
+    return IterationVerdict(problems, missing, in_flight(directory), len(required), health, common)
 
 
 def _required(root: str, files: dict[int, str], by_name: dict[str, str],
@@ -148,11 +158,3 @@ def _tensor_problems(root: str, path: str, wanted: tuple[mf2.Placement, ...], li
         if len(out) >= limit:
             break
     return out
-
-
-def _in_flight(directory: str) -> list[str]:
-    try:
-        with os.scandir(directory) as it:
-            return sorted(e.name for e in it if e.name.endswith(".tmp") and not e.name.startswith("."))
-    except OSError:
-        return []

@@ -14,6 +14,7 @@ with their step and so deleted with it, files included.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd import runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
 from ckptd.policy import RetentionPolicy
@@ -115,6 +117,15 @@ def gc(
     return report
 
 
+def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
+    """A Checkpoint 2.0 iteration is a directory: once its files are gone, so is it (MindFormers'
+    own rotation rmtrees it). Only an empty one: anything else in it is not ours to delete."""
+    for d in sorted(dirs):
+        if runlayout.is_iteration_dir(root, d) and _inside(root, d):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
 def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
     """A checkpoint's rows and everything that points at them (events, shards)."""
     shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
@@ -160,6 +171,7 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if mine:
             with sessions.begin() as s:
                 s.execute(update(Shard).where(Shard.id.in_(mine)).values(state=ShardState.DELETED.value))
+            _remove_iteration_dirs(root, {os.path.dirname(path) for _, path, _, _ in rows})
         with sessions() as s:
             left = s.execute(select(Shard.node).where(
                 Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).scalars().all()
