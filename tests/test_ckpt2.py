@@ -259,3 +259,77 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
     with pytest.raises(Exception, match="not a regular file"):
         tracker.repair(str(root), str(root / "torn"), 20, verified=True)
     assert os.path.islink(root / "torn" / "checkpoint" / "latest_checkpointed_iteration.txt")
+
+
+def test_retention_removes_whole_iteration_directories_across_incarnations(root, catalog_url):
+    """MindFormers' rotation forgets the directories of earlier launches; ckptd's gc keeps the newest
+    restorable ones and removes the others as directories, with the same two-phase protocol."""
+    from ckptd.policy import RetentionPolicy
+    from ckptd.service.retention import gc
+
+    ckpt = root / "job" / "checkpoint"
+    mindformers_save(ckpt, [2, 4, 6], keep_max=5)  # an earlier launch
+    mindformers_save(ckpt, [8, 10], keep_max=5)  # the next one: its rotation would never see 2..6
+    d = _settle(root, catalog_url, {"job": {2: "verified", 4: "verified", 6: "verified", 8: "verified", 10: "verified"}})
+    try:
+        report = gc(d.sessions, str(root), RetentionPolicy(keep_last=2), run_name="job").to_dict()
+    finally:
+        d.stop()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iteration_00000008", "iteration_00000010",
+                                                       "latest_checkpointed_iteration.txt"]
+    assert report["deleted_files"] == 9 and not report["refused"]
+    assert sorted(_states(catalog_url, "job")) == [8, 10]
+
+
+@pytest.mark.parametrize("catalog_url", ["postgresql"], indirect=True)
+def test_serve_picks_up_a_new_iteration_and_follows_a_resave(root, tmp_path, catalog_url):
+    """``ckptd serve`` over real HTTP: a new iteration MindFormers saves while it runs is answered within
+    seconds of its tracker update; an iteration re-saved in place (rank 0 rmtrees and rewrites it)
+    is never answered half-written and is answered again once whole."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.api_helpers import free_port
+
+    ckpt = _copy_sample("ckpt2", root, "job")
+    port, log = free_port(), tmp_path / "serve.log"
+    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="30")  # events, not rescans
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", catalog_url,
+                             "--port", str(port)], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    seen: list[int] = []
+
+    def answer(step: int):
+        if proc.poll() is not None:
+            raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            r = client.get("/v1/runs/job/resume", params={"lease": "false"})
+        except httpx.TransportError:
+            return None
+        if r.status_code == 200:
+            seen.append(r.json()["step"])
+        return r.json() if r.status_code == 200 and r.json()["step"] == step else None
+
+    try:
+        wait_for(lambda: answer(6), 60, interval=0.2, what="iteration 6 answered")
+        mindformers_save(ckpt, [8])  # MindFormers' own save: files, common.json, then the tracker
+        t0 = time.monotonic()
+        body = wait_for(lambda: answer(8), 30, interval=0.1, what="iteration 8 answered")
+        print(f"iteration 8 answered {time.monotonic() - t0:.2f} s after MindFormers' save returned")
+        assert body["mindformers"]["tracker"] == {"path": str(ckpt / "latest_checkpointed_iteration.txt"), "iteration": 8,
+                                                  "agrees": True, "note": "names the answered iteration"}
+        first = {s["path"]: s for s in client.get("/v1/runs/job/steps/8/shards").json()}
+        seen.clear()
+        mindformers_save(ckpt, [8])  # the same iteration again: rank 0 rmtrees the directory and rewrites it
+        wait_for(lambda: (r := answer(8)) and {s["path"] for s in r["shards"]} == set(first) and all(
+            s["verified_at"] != first[s["path"]]["verified_at"]
+            for s in client.get("/v1/runs/job/steps/8/shards").json() if s["state"] == "verified") and r, 30,
+            interval=0.1, what="the re-saved iteration 8 verified again")
+        assert set(seen) <= {6, 8}  # never an error, never another step
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(30)

@@ -454,7 +454,10 @@ class ResumeCache:
         # node falls silent is kept only until the first node could (a node coming back bumps
         # every run's generation when it registers)
         flip = node_registry.next_change(s, opts.node_timeout) if node_registry.several(s) else None
-        body = json.dumps(resume(s, run_name, opts)).encode()
+        doc = resume(s, run_name, opts)
+        body = json.dumps(doc).encode()
+        if doc["layout"] == runlayout.CKPT2:
+            return body  # it reports the tracker file's state, which no catalog write announces
         if flip is not None:
             now -= max(0.0, self.ttl - max(0.0, (flip - datetime.now(UTC)).total_seconds()))
         with self._lock:
