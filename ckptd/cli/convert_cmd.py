@@ -108,7 +108,12 @@ def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
     from ckptd.convert.layouts import derive_strategy, parse_layout_spec
     from ckptd.convert.sources import resolve_strategy
 
-    src = None if args.src_strategy.lower() == "none" else resolve_strategy(args.src_strategy)
+    if args.src_strategy is None:  # a Checkpoint 2.0 iteration: its metadata.json is the source layout
+        from ckptd.convert.iteration_source import iteration_source
+
+        src = iteration_source(args.src)[1]
+    else:
+        src = None if args.src_strategy.lower() == "none" else resolve_strategy(args.src_strategy)
     if args.to_layout is not None:
         spec = parse_layout_spec(args.to_layout)
         if src is None:
@@ -139,8 +144,10 @@ def run_convert(args: argparse.Namespace) -> int:
 
     if args.run:
         return _run_from_catalog(args)
-    if not args.src or not args.src_strategy:
-        raise _usage("give --src DIR --src-strategy OLD, or --run R --step S")
+    from ckptd.convert.iteration_source import is_iteration_dir
+
+    if not args.src or not (args.src_strategy or is_iteration_dir(args.src)):
+        raise _usage("give --src DIR --src-strategy OLD (an iteration_<it>/ directory needs none), or --run R --step S")
 
     if not args.plan and not args.out:
         raise _usage("--out DIR is required (or use --plan)")

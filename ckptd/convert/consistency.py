@@ -74,9 +74,11 @@ def ranks_text(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def check_sources(shards: Mapping[int, SourceShard], src: Strategy | None) -> list[str]:
+def check_sources(shards: Mapping[int, SourceShard], src: Strategy | None, *, subset: bool = False) -> list[str]:
     """Notes about the sources (things that are fine); raises :class:`ConvertError` listing every
-    disagreement between ``src`` and what ``shards`` hold."""
+    disagreement between ``src`` and what ``shards`` hold. ``subset``: a rank may hold only some
+    of its stage's parameters (a Checkpoint 2.0 balanced save, whose metadata.json says who holds
+    what); the planner then reads each slice from a rank that holds it, or refuses."""
     general: list[str] = []
     world = src.world_size if src is not None else 1
     extra = sorted(r for r in shards if not 0 <= r < world)
@@ -91,7 +93,7 @@ def check_sources(shards: Mapping[int, SourceShard], src: Strategy | None) -> li
     index = {r: {e.name: e for e in s.entries} for r, s in shards.items() if 0 <= r < world}
     per_rank: dict[int, list[str]] = defaultdict(list)
     bad_dtype = _check_dtypes(index, src, per_rank)
-    fulls, bad = _check_shapes(index, src, per_rank)
+    fulls, bad = _check_shapes(index, src, per_rank, subset)
     notes = _check_bytes(index, src, dev, fulls, bad | bad_dtype, per_rank)
     _raise(general, per_rank, src.source_path)
     return notes
@@ -126,7 +128,7 @@ def _check_dtypes(index: Mapping[int, Mapping[str, ShardEntry]], src: Strategy,
 
 
 def _check_shapes(index: Mapping[int, Mapping[str, ShardEntry]], src: Strategy, per_rank: dict[int, list[str]],
-                  ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+                  subset: bool = False) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Each rank holds its stage's parameters at the slice shape the strategy implies; returns the
     full shapes the ranks agree on and the parameters found inconsistent."""
     dev = src.stage_device_num
@@ -144,8 +146,9 @@ def _check_shapes(index: Mapping[int, Mapping[str, ShardEntry]], src: Strategy, 
         for e in by_stage.get(stage, ()):
             ent = index[r].get(e.name)
             if ent is None:
-                lacking.append(e.name)
-                bad.add(e.name)
+                if not subset:
+                    lacking.append(e.name)
+                    bad.add(e.name)
                 continue
             key = (e.name, stage, tuple(ent.shape))
             if key not in memo:

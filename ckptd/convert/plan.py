@@ -135,9 +135,11 @@ def plan_conversion(
     dst: Strategy | None,
     *,
     ranks: Sequence[int] | None = None,
+    subset: bool = False,
 ) -> ConversionPlan:
     """Plan converting ``sources`` (laid out by ``src``; None = one unsharded file in rank 0) to
-    ``dst`` (None = one unsharded file). ``ranks`` restricts the destination ranks planned.
+    ``dst`` (None = one unsharded file). ``ranks`` restricts the destination ranks planned;
+    ``subset``: ranks may hold only part of their stage (see ``consistency.check_sources``).
 
     Raises :class:`ConvertError` listing every problem found.
     """
@@ -154,7 +156,7 @@ def plan_conversion(
     if not shards:
         raise ConvertError("no source checkpoints found", hint="the source directory needs rank_<N>/ sub-directories")
     # the files must be what the source strategy says they are: every disagreement, per rank
-    notes.extend(check_sources(shards, src))
+    notes.extend(check_sources(shards, src, subset=subset))
     absent = sorted(set(range(src_world)) - set(shards))
     if absent:
         notes.append(f"source rank(s) {absent} have no checkpoint; replicas are read instead where they exist")

@@ -56,7 +56,7 @@ class SourceShard:
     """What one source rank's checkpoint file holds, in file order."""
 
     rank: int
-    path: str
+    path: str | tuple[str, ...]  # a Checkpoint 2.0 rank: its model file and its optimizer file
     entries: tuple[ShardEntry, ...]
 
     def get(self, name: str) -> ShardEntry | None:
@@ -131,7 +131,7 @@ class ConversionPlan:
     dst_world: int  # ranks of the whole destination layout (1 when unsharded)
     dst_stage_devices: int
     ranks: tuple[RankPlan, ...]  # the ranks to convert (all, or the ones asked for)
-    src_files: Mapping[int, str]
+    src_files: Mapping[int, str | tuple[str, ...]]
     notes: tuple[str, ...] = ()
     src_strategy_hash: str | None = None
     dst_strategy_hash: str | None = None

@@ -251,15 +251,78 @@ def _shard_entry(cf: CheckpointFile, e: TensorEntry) -> ShardEntry:
     return ShardEntry(e.name, e.dtype, tuple(e.shape), e.nbytes, probe, constant)
 
 
-def read_inventory(files: Mapping[int, str], key: bytes | None = None) -> list[SourceShard]:
+#: a source rank's file, or its files (a Checkpoint 2.0 rank: its model file and its optimizer file)
+SourceFiles = str | tuple[str, ...]
+
+
+class RankFiles:
+    """One source rank held by several files, read as one checkpoint: each entry is read from the
+    file holding it (entry names must not repeat across the files)."""
+
+    def __init__(self, parts: list[CheckpointFile]) -> None:
+        self.parts = parts
+        self.path = " + ".join(cf.path for cf in parts)
+        self.encryption = next((cf.encryption for cf in parts if cf.encryption is not None), None)
+        self.problems = tuple(p for cf in parts for p in cf.problems)
+        self.entries: dict[str, TensorEntry] = {}
+        self._owner: dict[str, CheckpointFile] = {}
+        for cf in parts:
+            for name, ent in cf.entries.items():
+                if name in self._owner:
+                    raise ConvertError(f"entry {name!r} is in both {self._owner[name].path} and {cf.path}",
+                                       hint="a rank's files must not hold the same tensor twice")
+                self.entries[name], self._owner[name] = ent, cf
+
+    def part(self, name: str) -> CheckpointFile:
+        try:
+            return self._owner[name]
+        except KeyError:
+            raise CkptdError(f"no entry named {name!r}", path=self.path) from None
+
+    def entry(self, name: str) -> TensorEntry:
+        return self.part(name).entry(name)
+
+    def value(self, name: str) -> Any:
+        return self.part(name).value(name)
+
+    def read_range(self, name: str, start: int, length: int) -> bytes:
+        return self.part(name).read_range(name, start, length)
+
+    def close(self) -> None:
+        for cf in self.parts:
+            cf.close()
+
+    def __enter__(self) -> "RankFiles":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_source(files: SourceFiles, key: bytes | None) -> CheckpointFile | RankFiles:
+    if isinstance(files, str):
+        return open_checkpoint(files, key)
+    parts: list[CheckpointFile] = []
+    try:
+        for path in files:
+            parts.append(open_checkpoint(path, key))
+        return RankFiles(parts)
+    except BaseException:
+        for cf in parts:
+            cf.close()
+        raise
+
+
+def read_inventory(files: Mapping[int, SourceFiles], key: bytes | None = None) -> list[SourceShard]:
     """Index every source file into the planner's input: headers, and a digest of each tensor's
     first bytes (plaintext files), with which the planner checks the source strategy
     (ckptd/convert/consistency.py)."""
     shards = []
     for rank in sorted(files):
-        with open_checkpoint(files[rank], key) as cf:
+        with open_source(files[rank], key) as cf:
             if cf.problems:
                 raise cf.problems[0]
+            # the files themselves, not a label: the executor reopens them from the plan
             shards.append(SourceShard(rank, files[rank], tuple(_shard_entry(cf, e) for e in cf.entries.values())))
     return shards
 
@@ -273,7 +336,14 @@ def plan_from_dir(
     ranks: Sequence[int] | None = None,
     key: bytes | None = None,
 ) -> ConversionPlan:
-    """Find, index and plan; reads headers and one page per tensor, no tensor data."""
+    """Find, index and plan; reads headers and one page per tensor, no tensor data. A Checkpoint 2.0
+    ``iteration_<it>/`` directory is read with its own layout (``src_strategy`` None: metadata.json's)."""
+    from ckptd.convert.iteration_source import is_iteration_dir, iteration_source
+
+    if is_iteration_dir(os.fspath(src_dir)):
+        files, own = iteration_source(os.fspath(src_dir))
+        src = resolve_strategy(src_strategy) if src_strategy is not None else own
+        return plan_conversion(read_inventory(files, key), src, resolve_strategy(dst_strategy), ranks=ranks, subset=True)
     files = find_source_files(src_dir, step)
     return plan_conversion(read_inventory(files, key), resolve_strategy(src_strategy), resolve_strategy(dst_strategy),
                            ranks=ranks)
@@ -289,6 +359,8 @@ def _no_release() -> None:
 def payload_view(cf: CheckpointFile, ent: TensorEntry, start: int, length: int) -> tuple[Any, Callable[[], None]]:
     """Payload bytes ``[start, start+length)`` of an entry: a zero-copy view when they lie in one
     segment (+ a function dropping their mapped pages), else a copy (+ a no-op)."""
+    if isinstance(cf, RankFiles):
+        cf = cf.part(ent.name)
     pos = 0
     for off, seg_len in ent.segments:
         if pos <= start and start + length <= pos + seg_len:
@@ -367,16 +439,16 @@ def region_digest(cf: CheckpointFile, name: str, region: Slice) -> bytes:
 class OpenSources:
     """Source files opened once and shared by the worker threads."""
 
-    def __init__(self, files: Mapping[int, str], key: bytes | None) -> None:
+    def __init__(self, files: Mapping[int, SourceFiles], key: bytes | None) -> None:
         self.files, self.key = files, key
-        self._open: dict[int, CheckpointFile] = {}
+        self._open: dict[int, CheckpointFile | RankFiles] = {}
         self._lock = threading.Lock()
 
-    def get(self, rank: int) -> CheckpointFile:
+    def get(self, rank: int) -> CheckpointFile | RankFiles:
         with self._lock:
             cf = self._open.get(rank)
             if cf is None:
-                cf = self._open[rank] = open_checkpoint(self.files[rank], self.key)
+                cf = self._open[rank] = open_source(self.files[rank], self.key)
             return cf
 
     def close(self) -> None:

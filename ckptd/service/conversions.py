@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd import confine, runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile
+from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes, save_strategy
 from ckptd.runlayout import relative_parts
@@ -144,16 +145,22 @@ def convert_step(
 
     with sessions.begin() as s:
         ckpt, files, strat_row = check_source(s, run_name, step)
-        if strat_row is None:
+        iteration = _layout_of(s, ckpt) == runlayout.CKPT2  # the layout is metadata.json's, not a strategy file's
+        if strat_row is None and not iteration:
             raise InvalidRequestError(f"step {step} has no strategy file in the catalog", hint="convert with --src-strategy")
-        src_id, src_path, src_hash, src_content = ckpt.id, strat_row.path, strat_row.content_hash, strat_row.content
+        src_id = ckpt.id
+        src_path, src_hash, src_content = (strat_row.path, strat_row.content_hash, strat_row.content) if strat_row \
+            else (None, None, None)
         ckpt.lease_until = datetime.now(timezone.utc) + CONVERT_LEASE
         meta = (ckpt.run_id, ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.global_step)
     own_job: int | None = None  # the job this call records when no JobRunner job runs it (ckptd convert --run)
     heartbeat = jobs.Heartbeat(sessions)
     try:
-        # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
-        src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
+        if iteration:  # a verified Checkpoint 2.0 iteration: its files per rank and layout from metadata.json
+            files, src_strategy = iteration_source(os.path.dirname(next(iter(files.values()))))
+            src_hash = src_strategy.content_hash() if src_strategy is not None else "none"
+        else:  # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
+            src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
         target = resolve_target(src_strategy, to_strategy, to_layout)
         target_hash = target.content_hash() if target is not None else "none"
         out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
@@ -166,7 +173,7 @@ def convert_step(
             # `converted -> /elsewhere` symlink must not redirect it (ckptd.confine)
             confine.make_dirs_beneath(root, os.path.dirname(out))
             confine.check_dir_beneath(root, out)
-        plan = plan_conversion(read_inventory(files, key), src_strategy, target)
+        plan = plan_conversion(read_inventory(files, key), src_strategy, target, subset=iteration)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
                                 target_strategy_hash=target_hash, out_dir=out, state="running")
@@ -212,6 +219,11 @@ def convert_step(
             src = s.get(Checkpoint, src_id)
             if src is not None:
                 src.lease_until = None
+
+
+def _layout_of(s: Session, ckpt: Checkpoint) -> str | None:
+    run = s.get(Run, ckpt.run_id)
+    return run.layout if run is not None else None
 
 
 def _fault_hook(progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
