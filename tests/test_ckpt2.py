@@ -246,8 +246,16 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
         tracker.repair(str(root), run_path, 20, verified=False)
     with pytest.raises(Exception, match="not a real directory"):
         tracker.repair(str(root), run_path, 30, verified=True)
-    for run in ("empty", "torn", "dangling"):
+    import subprocess
+    import sys
+
+    cli = subprocess.run([sys.executable, "-m", "ckptd", "resume", "--run", "empty", "--db", catalog_url, "--no-lease",
+                          "--repair-tracker"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert "rewrote empty (a torn write" in cli.stdout and "-> 20 (temp file, fsync, rename, fsync dir)" in cli.stdout
+    for run in ("torn", "dangling"):
         assert tracker.repair(str(root), str(root / run), 20, verified=True)["written"]
+    for run in ("empty", "torn", "dangling"):
         path = root / run / "checkpoint" / "latest_checkpointed_iteration.txt"
         assert path.read_text() == "20" and oct(path.stat().st_mode & 0o777) == "0o640"
         assert not [p for p in path.parent.iterdir() if p.name.endswith(".ckptd-tmp")]
