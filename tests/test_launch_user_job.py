@@ -1,7 +1,8 @@
 """``ckptd launch`` + the MindSpore callback on a job that is not ckptd's trainer (issue 14).
 
-The job (tests/fixtures/ms_user_job.py) is plain ``Model.train`` with ``ModelCheckpoint(async_save=True,
-integrated_save=False, keep_checkpoint_max=3)`` and ``CkptdCallback``, run by ``msrun`` with 2 ranks
+The job (tests/fixtures/ms_user_job.py) is plain ``Model.train`` (PyNative; Graph mode after a
+resume) with ``ModelCheckpoint(async_save=True, integrated_save=False, keep_checkpoint_max=3)`` and
+``CkptdCallback``, run by ``msrun`` with 2 ranks
 (data parallel), supervised by ``ckptd launch`` asking a real ``ckptd serve`` over HTTP. One launcher
 run takes three faults, from outside: a rank SIGKILLed while training, a rank SIGKILLed while its
 async save is half written, a rank SIGSTOPped (hung: only its heartbeats tell). Each time the
@@ -33,6 +34,9 @@ from tests.test_launcher_retry import free_port
 
 JOB = os.path.join(th.REPO, "tests", "fixtures", "ms_user_job.py")
 STEPS_PER_EPOCH, EPOCHS = 6, 3
+#: resumed attempts run in Graph mode (the first attempt and the reference in PyNative: on CPU this
+#: network's losses are bit-identical in both), and check the step the template carried
+RESUME_ARGS = "--mode graph --expect-step {global_step}"
 
 
 def env() -> dict[str, str]:
@@ -43,6 +47,7 @@ def env() -> dict[str, str]:
 
 
 def launch_cmd(run_dir: Path, *launch_args: str, job_args: tuple[str, ...] = ()) -> list[str]:
+    """``ckptd launch ... -- msrun ... ms_user_job.py``; the launcher appends ``--resume-args`` after ``job_args``."""
     msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
     return [sys.executable, "-m", "ckptd", "launch", "--run-dir", str(run_dir), *launch_args, "--",
             msrun, "--worker_num=2", "--local_worker_num=2", f"--master_port={free_port()}",
@@ -130,7 +135,7 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
         e = dict(env(), HOLD_SAVE="1:1:2_6")
         launcher = subprocess.Popen(
             launch_cmd(run_dir, "--ckptd-url", serve.url, "--heartbeat-timeout", "4", "--backoff", "0.5",
-                       "--max-restarts", "3", job_args=("--step-sleep", "0.3")),
+                       "--max-restarts", "3", "--resume-args", RESUME_ARGS, job_args=("--step-sleep", "0.2")),
             cwd=th.REPO, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         expected = []
         try:
