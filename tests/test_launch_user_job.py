@@ -276,3 +276,10 @@ def test_world_size_from_msrun():
     assert world_from_command(["msrun", "--worker_num=4", "--local_worker_num=4", "x.py"]) == 4
     assert world_from_command(["msrun", "--worker_num", "8", "x.py"]) == 8
     assert world_from_command(["python", "x.py"]) is None
+
+
+def test_launcher_and_cli_do_not_import_mindspore():
+    """``ckptd launch`` runs where the daemon runs: only the job-side callback imports MindSpore."""
+    code = ("import sys, ckptd.cli, ckptd.launcher.command, ckptd.launcher.supervise, ckptd.launcher.heartbeat; "
+            "sys.exit('mindspore' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=th.REPO, env=th.env(), timeout=60).returncode == 0
