@@ -29,7 +29,7 @@ import pytest
 from ckptd.launcher import template
 from ckptd.launcher.command import world_from_command
 from tests import trainer_helpers as th
-from tests.daemon_helpers import wait_for
+from tests.daemon_helpers import query, wait_for
 from tests.test_launcher_retry import free_port
 
 JOB = os.path.join(th.REPO, "tests", "fixtures", "ms_user_job.py")
@@ -95,7 +95,7 @@ class Serve:
         self.root = base / "root"
         self.root.mkdir(parents=True)
         self.url = f"http://127.0.0.1:{free_port()}"
-        db = f"sqlite:///{base / 'catalog.db'}"
+        self.db = db = f"sqlite:///{base / 'catalog.db'}"
         subprocess.run([sys.executable, "-m", "ckptd", "db", "upgrade", "--db", db], cwd=th.REPO, env=th.env(),
                        check=True, capture_output=True)
         # data parallel without a strategy file: ckptd learns the world size from here
@@ -176,6 +176,9 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
     # each restart resumed from the newest step rank 1 had committed when it was stopped: the half
     # written save of step 12 (rank 0's copy complete) is not restorable, so attempt 2 starts at 8
     assert expected[1] == 8 and partial.name.endswith("-2_6.tmp") and partial.exists()
+    final_name = partial.with_suffix(".ckpt")  # never renamed into place, so never given a commit hint
+    assert not final_name.exists() and not Path(f"{final_name}.done").exists()
+    assert Path(str(final_name).replace("rank_1", "rank_0") + ".done").exists()  # rank 0's save finished
     for attempt, step in enumerate(expected, start=1):
         assert f"attempt={attempt} event=resume step={step} " in log, log
     assert "attempt=3 event=finished" in log
@@ -187,6 +190,13 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
         final = [n for n in os.listdir(run_dir / f"rank_{r}") if n.endswith("-3_6.ckpt")]
         assert final == ["net_3-3_6.ckpt"], final
         assert th.read(str(run_dir / f"rank_{r}" / final[0])) == th.read(str(ref_dir / f"rank_{r}" / "net-3_6.ckpt"))
+    # rank 0's health reports reached ckptd (those sent before ckptd saw the run's first shard were
+    # refused with 404 and dropped, by design): the last attempt's steps, each with the loss trained
+    rows = query(serve.db, "SELECT h.step, h.loss, h.grad_norm, h.overflow FROM step_health h JOIN runs r "
+                           "ON r.id = h.run_id WHERE r.name = 'userjob' ORDER BY h.step")
+    assert {r[0] for r in rows} >= set(range(13, STEPS_PER_EPOCH * EPOCHS + 1)), rows
+    for step, loss, grad_norm, overflow in rows:
+        assert (loss, grad_norm, bool(overflow)) == (float.fromhex(next(iter(want[step]))), None, False), step
 
 
 # --- no MindSpore: what the launcher refuses, and the command it builds --------------------------

@@ -99,8 +99,8 @@ class CkptdCallback(Callback):
         self.resumed_from: str | None = None
         self._first_step = True
         self._step = 0
-        self._seen: set[str] = set()
-        self._committers: list[threading.Thread] = []
+        #: shard path -> the thread writing its sidecar (kept while the shard exists)
+        self._committers: dict[str, threading.Thread] = {}
 
     def _beat(self, step: int, phase: str) -> None:
         if self.hb is not None:
@@ -184,7 +184,7 @@ class CkptdCallback(Callback):
         cb = run_context.original_args()
         self._beat(self._step, "finishing")
         self._commit_new_saves(cb)
-        for t in self._committers:
+        for t in self._committers.values():
             t.join()
         self.health.flush()
         if self.hb is not None:
@@ -193,25 +193,23 @@ class CkptdCallback(Callback):
     # --- helpers --------------------------------------------------------------------------------
 
     def _commit_new_saves(self, cb) -> None:
-        self._committers = [t for t in self._committers if t.is_alive()]
-        # keep_checkpoint_max removed a shard: its hint goes too (a hint without a shard is noise)
-        for path in [p for p in self._seen if not os.path.exists(p)]:
-            if not any(t.is_alive() for t in self._committers):
+        # keep_checkpoint_max removed a shard: its hint goes too (a hint without its shard is noise)
+        for path, t in list(self._committers.items()):
+            if not t.is_alive() and not os.path.exists(path):
                 try:
                     os.unlink(path + ".done")
                 except FileNotFoundError:
                     pass
-                self._seen.discard(path)
+                del self._committers[path]
         for other in cb.list_callback:
             latest = getattr(other, "_latest_ckpt_file_name", None) if isinstance(other, ModelCheckpoint) else None
-            if not latest or latest in self._seen:
+            if not latest or latest in self._committers:
                 continue
-            self._seen.add(latest)
             # ModelCheckpoint waits for the previous async write before it starts the next, so a
             # running save thread is this file's
             t = threading.Thread(target=_commit, args=(latest, _save_thread()), name="ckptd-sidecar", daemon=True)
             t.start()
-            self._committers.append(t)
+            self._committers[latest] = t
 
     def _report(self, cb) -> None:
         out = cb.net_outputs
