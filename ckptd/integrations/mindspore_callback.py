@@ -36,6 +36,7 @@ pipeline restarts its epoch count at ``initial_epoch``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import threading
 
@@ -57,11 +58,16 @@ def _rank() -> int:
         return int(os.environ.get("RANK_ID", "0"))
 
 
-def _save_thread() -> threading.Thread | None:
-    return next((t for t in threading.enumerate() if t.name == ASYNC_SAVE_THREAD), None)
+def _save_writer() -> threading.Thread | multiprocessing.Process | None:
+    """The running async write: MindSpore's thread (``async_save=True`` / ``"thread"``), or its forked
+    process of the same name (``async_save="process"``)."""
+    thread = next((t for t in threading.enumerate() if t.name == ASYNC_SAVE_THREAD), None)
+    if thread is not None:
+        return thread
+    return next((p for p in multiprocessing.active_children() if p.name == ASYNC_SAVE_THREAD), None)
 
 
-def _commit(path: str, writer: threading.Thread | None) -> None:
+def _commit(path: str, writer: threading.Thread | multiprocessing.Process | None) -> None:
     if writer is not None:
         writer.join()
     # a failed write leaves only the .tmp; a file removed since (keep_checkpoint_max) needs no hint
@@ -206,8 +212,8 @@ class CkptdCallback(Callback):
             if not latest or latest in self._committers:
                 continue
             # ModelCheckpoint waits for the previous async write before it starts the next, so a
-            # running save thread is this file's
-            t = threading.Thread(target=_commit, args=(latest, _save_thread()), name="ckptd-sidecar", daemon=True)
+            # running writer is this file's
+            t = threading.Thread(target=_commit, args=(latest, _save_writer()), name="ckptd-sidecar", daemon=True)
             t.start()
             self._committers[latest] = t
 
