@@ -116,7 +116,8 @@ def start_job(args, attempt: int, hb_dir: str, resume_file: str | None) -> tuple
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("GLOG_v", "3")
     env.setdefault("OMP_NUM_THREADS", "1")
-    job = Job(cmd, env, world, hb_dir, log_dir, Watch(args.heartbeat_timeout, args.startup_timeout))
+    # the trainer's clean exit marker is its last act: nothing left to wait for (exit_grace 0)
+    job = Job(cmd, env, world, hb_dir, log_dir, Watch(args.heartbeat_timeout, args.startup_timeout, exit_grace=0.0))
     return job, {"world": world, "tp": args.tp, "dp": args.dp, "msrun_pid": job.proc.pid, "logs": log_dir}
 
 

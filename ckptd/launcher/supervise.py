@@ -162,7 +162,7 @@ class Job:
             # a rank that then dies with an error is a failure (msrun names it)
             self.all_exited = self.all_exited or now
             gone = all(hb is None or not _alive(int(hb["pid"])) for hb in beats.values())
-            if gone or self.proc.poll() is not None or now - self.all_exited > self.watch.exit_grace:
+            if gone or self.proc.poll() is not None or now - self.all_exited >= self.watch.exit_grace:
                 codes = self._msrun_exit_codes()
                 for r, hb in beats.items():
                     code = codes.get(int(hb["pid"])) if hb else None
