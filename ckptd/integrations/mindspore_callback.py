@@ -108,6 +108,12 @@ class CkptdCallback(Callback):
         #: shard path -> the thread writing its sidecar (kept while the shard exists)
         self._committers: dict[str, threading.Thread] = {}
 
+    def _check_rank(self) -> None:
+        rank = _rank()
+        if rank != self.rank:  # constructed before init(), and msrun's RANK_ID is not the rank
+            self.rank = rank
+            self.hb = Heartbeat(self.hb.hb_dir, rank, self.attempt) if self.hb is not None else None
+
     def _beat(self, step: int, phase: str) -> None:
         if self.hb is not None:
             self.hb.beat(step, phase)
@@ -123,6 +129,7 @@ class CkptdCallback(Callback):
             return 0
         with open(resume_file) as fh:
             answer = json.load(fh)
+        self._check_rank()
         mine = [s["path"] for s in answer.get("shards", []) if int(s["rank"]) == self.rank]
         if len(mine) != 1:
             raise RuntimeError(f"{resume_file}: the resume answer has {len(mine)} shards for rank {self.rank}")
@@ -165,6 +172,7 @@ class CkptdCallback(Callback):
 
     def on_train_begin(self, run_context) -> None:
         cb = run_context.original_args()
+        self._check_rank()
         if self.resume_step:
             cb.cur_step_num = self.resume_step
             for other in cb.list_callback:
