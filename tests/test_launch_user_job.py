@@ -293,3 +293,28 @@ def test_launcher_and_cli_do_not_import_mindspore():
     code = ("import sys, ckptd.cli, ckptd.launcher.command, ckptd.launcher.supervise, ckptd.launcher.heartbeat; "
             "sys.exit('mindspore' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=th.REPO, env=th.env(), timeout=60).returncode == 0
+
+
+def test_mindformers_yaml_callbacks_build_ckptd_callback_and_commit_async_saves(tmp_path):
+    """The README's YAML lines, run by MindFormers' own ``build_callback`` and ``CheckpointMonitor``
+    (async saves) in a real ``Model.train``: ckptd's callback is registered from ``REGISTER_PATH``,
+    gives every MindFormers shard a true commit hint, and leaves the launcher's heartbeat files."""
+    import xxhash
+
+    out, hb = tmp_path / "output_dir", tmp_path / "heartbeat"
+    e = dict(th.env(), RANK_ID="0", CKPTD_HEARTBEAT_DIR=str(hb), LOCAL_DEFAULT_PATH=str(tmp_path / "mf_logs"))
+    for var in ("MS_ROLE", "RANK_SIZE", "MS_WORKER_NUM", "CKPTD_URL", "CKPTD_RESUME_FILE"):
+        e.pop(var, None)
+    proc = subprocess.run([sys.executable, os.path.join(th.REPO, "tests", "fixtures", "mf_callback_job.py"), str(out)],
+                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "callbacks: ['CheckpointMonitor', 'CkptdCallback']" in proc.stdout
+    rank_dir = out / "checkpoint" / "rank_0"
+    shards = sorted(p.name for p in rank_dir.glob("*.ckpt"))
+    assert shards == ["llama_rank_0-1_2.ckpt", "llama_rank_0-1_4.ckpt", "llama_rank_0-1_6.ckpt"]
+    for name in shards:
+        data = (rank_dir / name).read_bytes()
+        assert json.loads((rank_dir / f"{name}.done").read_text()) == {
+            "size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    assert json.loads((hb / "rank_0.exit").read_text()) == {"code": 0, "step": 6, "attempt": 0}
+    assert json.loads((hb / "rank_0.json").read_text())["phase"] == "finishing"
