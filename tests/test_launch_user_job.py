@@ -282,6 +282,13 @@ def test_a_refused_template_starts_nothing(tmp_path):
     assert not marker.exists() and not (tmp_path / "run").exists()
 
 
+def test_a_missing_command_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ckptd", "launch", "--run-dir", str(tmp_path / "run"), "--world", "1",
+                           "--", "no-such-msrun", "x.py"], cwd=th.REPO, env=th.env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 2 and "command not found or not executable: 'no-such-msrun'" in proc.stderr
+
+
 def test_world_size_from_msrun():
     assert world_from_command(["msrun", "--worker_num=4", "--local_worker_num=4", "x.py"]) == 4
     assert world_from_command(["msrun", "--worker_num", "8", "x.py"]) == 8

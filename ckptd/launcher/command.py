@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 
 from ckptd.launcher import template
@@ -66,6 +67,8 @@ def prepare(command: list[str], run_dir: str, world: int | None, run_name: str |
     command = command[1:] if command[:1] == ["--"] else command
     if not command:
         raise LaunchError("no command to launch: ckptd launch [options] -- msrun ... script.py [args]")
+    if shutil.which(command[0]) is None:  # found now, not as a traceback from the first attempt
+        raise LaunchError(f"command not found or not executable: {command[0]!r}")
     found = world_from_command(command)
     if world is None:
         if found is None:
