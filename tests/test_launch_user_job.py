@@ -28,9 +28,9 @@ import pytest
 
 from ckptd.launcher import template
 from ckptd.launcher.command import world_from_command
+from ckptd.launcher.supervise import free_port
 from tests import trainer_helpers as th
 from tests.daemon_helpers import query, wait_for
-from tests.test_launcher_retry import free_port
 
 JOB = os.path.join(th.REPO, "tests", "fixtures", "ms_user_job.py")
 STEPS_PER_EPOCH, EPOCHS = 6, 3
