@@ -35,11 +35,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-import xxhash
-
 from ckptd import runlayout
-from ckptd.format.atomic import atomic_write
 from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
+from ckptd.launcher.heartbeat import write_sidecar
 from ckptd.runlayout import MINDFORMERS, NATIVE, Layout
 from trainer.config import ParamSpec
 from trainer.data import STATE_KEYS
@@ -99,17 +97,6 @@ def write_strategy(run_dir: str, specs: list[ParamSpec], topo: Topology, layout:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_strategy(build_strategy(specs, topo), path, overwrite=True)
     return path
-
-
-def write_sidecar(path: str) -> None:
-    """Commit hint for the daemon: the finished shard's size and xxh3_128 digest."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    doc = {"size": os.path.getsize(path), "xxh3_128": h.hexdigest()}
-    with atomic_write(path + ".done", overwrite=True) as out:
-        out.write(json.dumps(doc).encode())
 
 
 def write_meta(run_dir: str, rank: int, epoch: int, step_in_epoch: int, ckpt_file: str) -> None:

@@ -55,12 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--resume-from", default=None, help="JSON file with a resume answer (ckptd's GET /resume body)")
+    # the defaults are what ``ckptd launch`` gives any job, so the trainer runs under it as well
+    p.add_argument("--resume-from", default=os.environ.get("CKPTD_RESUME_FILE"),
+                   help="JSON file with a resume answer (ckptd's GET /resume body; default $CKPTD_RESUME_FILE)")
     p.add_argument("--enc-key-file", default=None, help="raw AES key (16/24/32 bytes) for enc_key / dec_key")
-    p.add_argument("--heartbeat-dir", default=None, help="default <run-dir>/heartbeat")
+    p.add_argument("--heartbeat-dir", default=os.environ.get("CKPTD_HEARTBEAT_DIR"),
+                   help="default $CKPTD_HEARTBEAT_DIR, else <run-dir>/heartbeat")
     p.add_argument("--ckptd-url", default=os.environ.get("CKPTD_URL"), help="health reports go here (optional)")
-    p.add_argument("--run-name", default=None, help="run name for ckptd (default: basename of --run-dir)")
-    p.add_argument("--attempt", type=int, default=0, help="launch attempt number (set by the launcher)")
+    p.add_argument("--run-name", default=os.environ.get("CKPTD_RUN_NAME"),
+                   help="run name for ckptd (default: $CKPTD_RUN_NAME, else basename of --run-dir)")
+    p.add_argument("--attempt", type=int, default=int(os.environ.get("CKPTD_ATTEMPT", "0")),
+                   help="launch attempt number (set by the launcher; default $CKPTD_ATTEMPT)")
     p.add_argument("--fault", action="append", default=[], help="KIND:RANK:STEP, see trainer.faults")
     p.add_argument("--fault-attempt", type=int, default=0, help="faults fire only in this attempt")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (fixed for bitwise determinism)")

@@ -9,7 +9,7 @@ import sys
 from pydantic import ValidationError
 
 from ckptd import __version__
-from ckptd.cli import catalog_cmds, convert_cmd, files, service
+from ckptd.cli import catalog_cmds, convert_cmd, files, launch_cmd, service
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     service.register(sub)
     catalog_cmds.register(sub)
     convert_cmd.register(sub)
+    launch_cmd.register(sub)
     return parser
 
 

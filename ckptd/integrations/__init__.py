@@ -1,0 +1,2 @@
+"""Job-side integrations that import a training framework (install ``ckptd[mindspore]``); nothing in
+``ckptd`` proper imports these."""

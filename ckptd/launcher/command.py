@@ -1,0 +1,145 @@
+"""``ckptd launch``: supervise any command with automatic resume (see :mod:`ckptd.launcher.supervise`).
+
+Per attempt the command gets, in its environment, ``CKPTD_HEARTBEAT_DIR`` (where the ranks' heartbeats
+and exit markers go -- the MindSpore callback writes them), ``CKPTD_ATTEMPT``, ``CKPTD_RUN_NAME``,
+``CKPTD_URL`` when ckptd is the oracle, and, when resuming, ``CKPTD_RESUME_FILE`` (ckptd's whole answer
+as JSON) plus the rendered ``--resume-args`` appended to the command and ``--resume-env`` variables
+(:mod:`ckptd.launcher.template`). A fresh start gets none of the resume ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+
+from ckptd.launcher import template
+from ckptd.launcher.oracle import (
+    ConversionError,
+    OracleError,
+    ResumeAnswer,
+    ask_command,
+    ask_http,
+    check_ready,
+)
+from ckptd.launcher.supervise import Job, Log, Restarts, Watch, ask_patiently, settle, supervise
+
+_WORKER_NUM = re.compile(r"^--worker_num(?:=(\d+))?$")
+#: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
+JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
+
+
+@dataclass
+class LaunchSpec:
+    command: list[str]
+    run_dir: str
+    world: int
+    run_name: str
+    ckptd_url: str | None = None
+    resume_cmd: str | None = None
+    resume_args: str | None = None
+    resume_env: list[str] = field(default_factory=list)
+    fresh: bool = False
+    settle_timeout: float = 60.0
+    oracle_wait: float = 120.0
+    oracle_backoff: float = 0.5
+    oracle_backoff_max: float = 10.0
+    watch: Watch = field(default_factory=Watch)
+    restarts: Restarts = field(default_factory=Restarts)
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start as asked (refused before the job runs)."""
+
+
+def world_from_command(command: list[str]) -> int | None:
+    """msrun's ``--worker_num N`` / ``--worker_num=N`` (all ranks of the job, on every node)."""
+    for i, arg in enumerate(command):
+        m = _WORKER_NUM.match(arg)
+        if m and (m.group(1) or (i + 1 < len(command) and command[i + 1].isdigit())):
+            return int(m.group(1) or command[i + 1])
+    return None
+
+
+def prepare(command: list[str], run_dir: str, world: int | None, run_name: str | None) -> tuple[list[str], str, int, str]:
+    """Check what can be checked before anything starts: (command, run dir, world, run name)."""
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        raise LaunchError("no command to launch: ckptd launch [options] -- msrun ... script.py [args]")
+    if shutil.which(command[0]) is None:  # found now, not as a traceback from the first attempt
+        raise LaunchError(f"command not found or not executable: {command[0]!r}")
+    found = world_from_command(command)
+    if world is None:
+        if found is None:
+            raise LaunchError("cannot tell the job's world size: give --world N (or msrun --worker_num N)")
+        world = found
+    elif found is not None and found != world:
+        raise LaunchError(f"--world {world} but the command says msrun --worker_num {found}")
+    if world < 1:
+        raise LaunchError(f"--world must be >= 1, got {world}")
+    run_dir = os.path.abspath(run_dir)
+    return command, run_dir, world, run_name or os.path.basename(run_dir)
+
+
+def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
+    if spec.resume_cmd:
+        answer = ask_command(spec.resume_cmd, spec.world)
+    elif spec.ckptd_url:
+        url = spec.ckptd_url
+
+        def once(timeout: float) -> ResumeAnswer:
+            check_ready(url, timeout=min(5.0, timeout))
+            if spec.settle_timeout > 0:
+                settle(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, log, attempt)
+            return ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world)
+
+        answer = ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
+    else:
+        return ResumeAnswer(None, None, "no oracle configured")
+    if answer.saved_world is not None:
+        # the shards are another world size's: loading them as they are would be wrong, a fresh start
+        # would throw the run away -- stop and say what to do
+        raise ConversionError(f"step {answer.step} was saved with world size {answer.saved_world}, the job has "
+                              f"{spec.world}: re-shard it first (ckptd convert) or launch with its world size")
+    return answer
+
+
+def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: ResumeAnswer | None,
+          arg_templates: list[str], env_templates: dict[str, str]) -> tuple[Job, dict]:
+    hb_dir = os.path.join(spec.run_dir, "heartbeat")
+    log_dir = os.path.join(spec.run_dir, "launcher", f"attempt_{attempt}")
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
+    env.update(CKPTD_HEARTBEAT_DIR=hb_dir, CKPTD_ATTEMPT=str(attempt), CKPTD_RUN_NAME=spec.run_name)
+    if spec.ckptd_url:
+        env["CKPTD_URL"] = spec.ckptd_url
+    cmd = list(spec.command)
+    if resume_file and answer is not None and answer.body is not None:
+        extra_args, extra_env = template.render(arg_templates, env_templates,
+                                                template.values(answer.body, resume_file))
+        cmd += extra_args
+        env.update(extra_env)
+        env["CKPTD_RESUME_FILE"] = resume_file
+    job = Job(cmd, env, spec.world, hb_dir, log_dir, spec.watch)
+    return job, {"world": spec.world, "pid": job.proc.pid, "logs": log_dir}
+
+
+def run(spec: LaunchSpec) -> int:
+    """Validate the templates, then supervise: 0 finished, 1 restarts used up, 2 the oracle said stop."""
+    try:
+        arg_templates, env_templates = template.check(spec.resume_args, spec.resume_env, spec.world)
+    except template.TemplateError as err:
+        raise LaunchError(str(err)) from None
+    os.makedirs(spec.run_dir, exist_ok=True)
+    log = Log(os.path.join(spec.run_dir, "launcher.log"))
+    try:
+        return supervise(spec.run_dir, spec.world, log, lambda attempt: ask(spec, attempt, log),
+                         lambda attempt, resume_file, answer: start(spec, attempt, resume_file, answer,
+                                                                    arg_templates, env_templates),
+                         spec.restarts, fresh=spec.fresh)
+    except template.TemplateError as err:  # an answer the templates cannot use: stop, never guess
+        log(event="oracle_error", reason=str(err))
+        return 2
+    except OracleError as err:
+        log(event="oracle_error", reason=str(err))
+        return 2

@@ -1,0 +1,113 @@
+"""The job side of supervision: liveness (heartbeat files for the launcher), best-effort health
+reports to ckptd, and the ``.done`` commit hint of a finished shard -- what ckptd's trainer and the
+MindSpore callback (``ckptd.integrations.mindspore_callback``) both write.
+
+Neither may ever slow training down: the heartbeat is one small write + rename per step (no fsync:
+it is a liveness signal, stale-after-crash is exactly what the launcher wants to see), and health
+reports go through a bounded queue to a daemon thread that drops reports when ckptd is slow or down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import urllib.request
+
+import xxhash
+
+from ckptd.format.atomic import atomic_write
+
+
+def heartbeat_path(hb_dir: str, rank: int) -> str:
+    return os.path.join(hb_dir, f"rank_{rank}.json")
+
+
+def exit_path(hb_dir: str, rank: int) -> str:
+    return os.path.join(hb_dir, f"rank_{rank}.exit")
+
+
+def write_json_fast(path: str, doc: dict) -> None:
+    """Replace ``path`` atomically (write + rename) without fsync -- for liveness files only."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh)
+    os.replace(tmp, path)
+
+
+def write_sidecar(path: str) -> None:
+    """Commit hint for the daemon, once the shard is complete: its size and xxh3_128 digest (ckptd's
+    verifier compares the file against it)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    doc = {"size": os.path.getsize(path), "xxh3_128": h.hexdigest()}
+    with atomic_write(path + ".done", overwrite=True) as out:
+        out.write(json.dumps(doc).encode())
+
+
+class Heartbeat:
+    def __init__(self, hb_dir: str, rank: int, attempt: int) -> None:
+        os.makedirs(hb_dir, exist_ok=True)
+        self.hb_dir, self.rank, self.attempt = hb_dir, rank, attempt
+
+    def beat(self, step: int, phase: str) -> None:
+        write_json_fast(heartbeat_path(self.hb_dir, self.rank), {
+            "pid": os.getpid(), "rank": self.rank, "step": step, "phase": phase,
+            "time": time.time(), "attempt": self.attempt})
+
+    def exited(self, code: int, step: int) -> None:
+        write_json_fast(exit_path(self.hb_dir, self.rank), {"code": code, "step": step, "attempt": self.attempt})
+
+
+class HealthReporter:
+    """``POST {url}/v1/runs/{run}/health`` from a background thread; never blocks, never raises."""
+
+    def __init__(self, url: str | None, run: str, token: str | None, timeout: float = 1.0) -> None:
+        self.url = f"{url.rstrip('/')}/v1/runs/{run}/health" if url else None
+        self.token, self.timeout = token, timeout
+        self.q: queue.Queue[dict] = queue.Queue(maxsize=64)
+        self.sent = self.failed = self.dropped = 0
+        if self.url:
+            threading.Thread(target=self._run, name="ckptd-health", daemon=True).start()
+
+    def report(self, step: int, loss: float, grad_norm: float | None, overflow: bool) -> None:
+        if not self.url:
+            return
+        doc = {"step": int(step), "loss": float(loss), "grad_norm": None if grad_norm is None else float(grad_norm),
+               "overflow": bool(overflow)}
+        try:
+            self.q.put_nowait(doc)
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout: float = 2.0) -> bool:
+        """At the end of training: give queued reports up to ``timeout`` s to go out (the last steps'
+        health would otherwise die with the process). Bounded, so a down ckptd costs at most that."""
+        deadline = time.monotonic() + timeout
+        while self.url and self.q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not (self.url and self.q.unfinished_tasks)
+
+    def _run(self) -> None:
+        while True:
+            doc = self.q.get()
+            try:
+                self._post(doc)
+            finally:
+                self.q.task_done()
+
+    def _post(self, doc: dict) -> None:
+        req = urllib.request.Request(self.url, data=json.dumps(doc).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                resp.read()
+            self.sent += 1
+        except Exception:  # noqa: BLE001 -- ckptd down/slow/refusing: health is best effort by design
+            self.failed += 1

@@ -1,0 +1,342 @@
+"""Supervising a job: one attempt (:class:`Job`), and the restart loop (:func:`supervise`).
+
+A job is any command -- typically ``msrun --worker_num=N --local_worker_num=N ... script.py`` -- whose
+ranks write heartbeat files (pid, step, phase, time) and an exit marker into the directory named by
+``CKPTD_HEARTBEAT_DIR`` (:mod:`ckptd.launcher.heartbeat`: ckptd's trainer and the MindSpore callback
+both do). A rank fails when its process is gone without a clean exit marker, when it writes a
+non-zero exit marker, or when its heartbeat goes stale (a hung rank -- ranks blocked in a collective
+behind it go stale too, so the culprit is the one furthest behind). On failure the whole job is
+killed (the command, msrun's scheduler and every worker, which msrun puts in their own sessions),
+the loop backs off, asks the oracle again and restarts -- at most ``max_restarts`` times. Every
+decision is one ``launch:`` line on stderr and in ``<run-dir>/launcher.log``.
+
+msrun quirk: after all workers exit cleanly, MindSpore's CPU scheduler still waits ~30 s for
+heartbeats and then reports the workers "timed out" (msrun exits 1). Success is therefore decided
+from the ranks' exit markers (and their processes being gone), and then msrun is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckptd.launcher.heartbeat import exit_path, heartbeat_path
+from ckptd.launcher.oracle import (
+    ConversionError,
+    OracleError,
+    OracleUnavailable,
+    ResumeAnswer,
+    wait_for_verdicts,
+)
+
+#: how far into a step a heartbeat phase is: of several stale ranks, the one furthest behind is the
+#: culprit (ranks blocked in a collective behind a hung peer have reported a later phase or step)
+PHASE_ORDER = {"starting": 0, "train": 1, "compute": 2, "sync": 3, "save": 4, "finishing": 5}
+_WORKER_EXIT = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+
+
+class Log:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, **fields: object) -> None:
+        parts = []
+        for k, v in fields.items():
+            s = str(v)
+            parts.append(f"{k}={json.dumps(s, ensure_ascii=False) if (' ' in s or not s) else s}")
+        line = "launch: " + " ".join(parts)
+        print(line, file=sys.stderr, flush=True)
+        with open(self.path, "a") as fh:
+            fh.write(f"{time.time():.3f} {line}\n")
+
+
+@dataclass
+class Failure:
+    rank: int | None
+    step: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Watch:
+    """How ranks are judged: silent this long = hung; allowance before the first step."""
+    heartbeat_timeout: float = 60.0
+    startup_timeout: float = 180.0
+    #: all ranks wrote a clean exit marker: give their processes this long to exit by themselves
+    exit_grace: float = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class Job:
+    """One attempt: ``cmd`` started in its own session, its output in ``<log_dir>/msrun.out``."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], world: int, hb_dir: str, log_dir: str,
+                 watch: Watch) -> None:
+        self.world, self.hb_dir, self.log_dir, self.watch = world, hb_dir, log_dir, watch
+        os.makedirs(log_dir, exist_ok=True)
+        os.makedirs(hb_dir, exist_ok=True)
+        for r in range(world):  # the previous attempt's files would pass for this one's
+            for p in (heartbeat_path(hb_dir, r), exit_path(hb_dir, r)):
+                if os.path.exists(p):
+                    os.unlink(p)
+        self.out_path = os.path.join(log_dir, "msrun.out")
+        self.out = open(self.out_path, "wb")  # noqa: SIM115 -- the job writes it for the whole attempt
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.started = time.time()
+        self.all_exited: float | None = None
+
+    def _msrun_exit_codes(self) -> dict[int, int]:
+        try:
+            with open(self.out_path, errors="replace") as fh:
+                return {int(pid): int(code) for pid, code in _WORKER_EXIT.findall(fh.read())}
+        except OSError:
+            return {}
+
+    def check(self) -> tuple[str, Failure | None]:
+        """("running" | "done" | "failed", failure)."""
+        now = time.time()
+        beats = {r: _read_json(heartbeat_path(self.hb_dir, r)) for r in range(self.world)}
+        exits = {r: _read_json(exit_path(self.hb_dir, r)) for r in range(self.world)}
+        for r, e in exits.items():
+            if e is not None and e.get("code") != 0:
+                return "failed", Failure(r, e.get("step"), f"exit marker code {e.get('code')}")
+        if all(e is not None for e in exits.values()):
+            # every rank is through training; what a script does after it is its own business, but
+            # a rank that then dies with an error is a failure (msrun names it)
+            self.all_exited = self.all_exited or now
+            gone = all(hb is None or not _alive(int(hb["pid"])) for hb in beats.values())
+            if gone or self.proc.poll() is not None or now - self.all_exited >= self.watch.exit_grace:
+                codes = self._msrun_exit_codes()
+                for r, hb in beats.items():
+                    code = codes.get(int(hb["pid"])) if hb else None
+                    if code:
+                        return "failed", Failure(r, exits[r].get("step"), f"rank process exited with "
+                                                 f"{_signal_name(code)} after its clean exit marker")
+                return "done", None
+            return "running", None
+        dead = []
+        for r, hb in beats.items():
+            if hb is not None and exits[r] is None and not _alive(int(hb["pid"])):
+                dead.append((r, hb))
+        if dead:
+            time.sleep(1.5)  # let msrun log the exit code of the first worker it reaped
+            codes = self._msrun_exit_codes()
+            first = next(((r, hb) for r, hb in dead if int(hb["pid"]) in codes), None)
+            r, hb = first or min(dead, key=lambda x: (x[1].get("step", 0), x[0]))
+            code = codes.get(int(hb["pid"]))
+            why = _signal_name(code) if code is not None else "process vanished"
+            return "failed", Failure(r, hb.get("step"), f"rank process died ({why}) in phase {hb.get('phase')}")
+        stale = []
+        for r, hb in beats.items():
+            if exits[r] is not None:
+                continue
+            if hb is None:
+                if now - self.started > self.watch.startup_timeout:
+                    return "failed", Failure(r, None, f"no heartbeat within {self.watch.startup_timeout:.0f}s of "
+                                                      f"start (does the job write heartbeats into $CKPTD_HEARTBEAT_DIR?)")
+                continue
+            limit = self.watch.startup_timeout if hb.get("phase") == "starting" else self.watch.heartbeat_timeout
+            if now - float(hb["time"]) > limit:
+                stale.append((r, hb))
+        if stale:
+            r, hb = min(stale, key=lambda x: (x[1].get("step", 0), PHASE_ORDER.get(x[1].get("phase"), 9), x[1]["time"]))
+            return "failed", Failure(r, hb.get("step"), f"heartbeat stale for {now - float(hb['time']):.0f}s "
+                                                        f"(hung in phase {hb.get('phase')})")
+        rc = self.proc.poll()
+        if rc is not None:
+            return "failed", Failure(None, None, f"msrun exited with code {rc} before all ranks finished")
+        return "running", None
+
+    def stop(self) -> None:
+        """SIGKILL the command, msrun's scheduler and every worker (each worker leads its own session)."""
+        pids = _descendants(self.proc.pid)
+        for r in range(self.world):
+            hb = _read_json(heartbeat_path(self.hb_dir, r))
+            if hb:
+                pids.append(int(hb["pid"]))
+        for pid in [self.proc.pid, *pids]:
+            for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+                try:
+                    kill(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.proc.wait()
+        self.out.close()
+
+
+@dataclass(frozen=True)
+class Restarts:
+    max_restarts: int = 3
+    backoff: float = 1.0  # first restart delay (s); doubles each restart
+    backoff_max: float = 30.0
+    poll: float = 0.2
+
+
+def ask_patiently(once: Callable[[float], ResumeAnswer], wait: float, backoff: float, backoff_max: float,
+                  log: Log, attempt: int, fallback: Callable[[str], ResumeAnswer] | None = None) -> ResumeAnswer:
+    """``once(timeout)`` again and again while ckptd cannot be asked (OracleUnavailable), with
+    exponential back-off, for up to ``wait`` s; then OracleError -- or ``fallback(why)`` when given
+    (never after a conversion was involved: only ckptd re-shards)."""
+    t0 = time.monotonic()
+    tries = 0
+    while True:
+        left = wait - (time.monotonic() - t0)
+        try:
+            answer = once(max(1.0, min(10.0, left)))
+        except OracleUnavailable as err:
+            tries += 1
+            waited = time.monotonic() - t0
+            left = wait - waited
+            if left <= 0:
+                why = f"{err} (asked {tries} time{'s' if tries > 1 else ''} in {waited:.1f}s, --oracle-wait {wait:g}s)"
+                if isinstance(err, ConversionError):
+                    raise ConversionError(why) from None
+                if fallback is not None:
+                    return fallback(why)
+                raise OracleError(why) from None
+            delay = min(backoff_max, backoff * (2 ** (tries - 1)), left)
+            log(attempt=attempt, event="oracle-wait", tries=tries, waited=f"{waited:.1f}s", next=f"{delay:.2f}s",
+                deadline=f"{wait:g}s", reason=str(err))
+            time.sleep(delay)
+            continue
+        if tries:
+            log(attempt=attempt, event="oracle_reached", tries=tries + 1,
+                waited=f"{time.monotonic() - t0:.1f}s", reason="ckptd answered")
+        return answer
+
+
+def settle(url: str, run: str, run_dir: str, world: int, timeout: float, log: Log, attempt: int) -> None:
+    """Give ckptd time to judge the save the job finished just before it died (see wait_for_verdicts)."""
+    res = wait_for_verdicts(url, run, run_dir, world, timeout, raise_unavailable=True)
+    if not res.states:
+        return  # nothing committed on disk: nothing to wait for
+    seen = ", ".join(f"{step}={state}" for (_, step), state in res.states.items())
+    if res.settled:
+        log(attempt=attempt, event="catalog_settled", waited=f"{res.waited:.1f}s", steps=seen,
+            reason="ckptd has judged the newest committed save")
+    else:
+        log(attempt=attempt, event="catalog_lagging", waited=f"{res.waited:.1f}s", steps=seen,
+            reason="ckptd has not judged the newest committed save in time; asking anyway")
+
+
+def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAnswer],
+              start: Callable[[int, str | None, ResumeAnswer | None], tuple[Job, dict]], restarts: Restarts,
+              fresh: bool = False) -> int:
+    """The restart loop. ``ask(attempt)`` is the oracle (raises ConversionError / OracleError to stop);
+    ``start(attempt, resume_file, answer)`` starts an attempt -- ``resume_file`` is the answer as JSON
+    in ``<run_dir>/launcher/resume_<attempt>.json`` -- and returns it with the fields of its
+    ``started`` line. Returns 0 (every rank finished), 1 (restarts used up) or 2 (oracle said stop)."""
+    for attempt in range(restarts.max_restarts + 1):
+        resume_file, answer = None, None
+        if attempt > 0 or not fresh:
+            try:
+                answer = ask(attempt)
+            except ConversionError as err:
+                log(attempt=attempt, event="convert_failed", to_world=world,
+                    reason=f"giving up (no fresh start over a checkpoint in another layout): {err}")
+                return 2
+            except OracleError as err:
+                log(attempt=attempt, event="oracle_error", reason=str(err))
+                return 2
+            if answer.step is not None:
+                resume_file = os.path.join(run_dir, "launcher", f"resume_{attempt}.json")
+                os.makedirs(os.path.dirname(resume_file), exist_ok=True)
+                with open(resume_file, "w") as fh:
+                    json.dump(answer.body, fh)
+            if answer.saved_world is not None:  # a converted copy: say both world sizes
+                log(attempt=attempt, event="resume", step=answer.step, from_world=answer.saved_world,
+                    to_world=world, reason=answer.why)
+            else:
+                log(attempt=attempt, event="resume" if answer.step is not None else "fresh_start",
+                    step=answer.step if answer.step is not None else 0, reason=answer.why)
+        job, fields = start(attempt, resume_file, answer if resume_file else None)
+        log(attempt=attempt, event="started", **fields)
+        try:
+            while True:
+                time.sleep(restarts.poll)
+                state, failure = job.check()
+                if state != "running":
+                    break
+        except BaseException as exc:  # Ctrl-C / SIGTERM: never leave ranks running (they are in their own sessions)
+            job.stop()
+            log(attempt=attempt, event="interrupted", reason=f"{type(exc).__name__}: stopped all ranks")
+            raise
+        job.stop()
+        if state == "done":
+            log(attempt=attempt, event="finished", reason="every rank wrote a clean exit marker")
+            return 0
+        assert failure is not None
+        log(attempt=attempt, event="rank_failed", rank=failure.rank if failure.rank is not None else "?",
+            step=failure.step if failure.step is not None else "?", reason=failure.reason)
+        if attempt == restarts.max_restarts:
+            log(attempt=attempt, event="giving_up", reason=f"{restarts.max_restarts} restarts used")
+            return 1
+        delay = min(restarts.backoff_max, restarts.backoff * (2 ** attempt))
+        log(attempt=attempt, event="backoff", seconds=f"{delay:.2f}", reason="stopped all ranks; restarting")
+        time.sleep(delay)
+    return 1
+
+
+def install_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so the loop stops every rank before the launcher exits."""
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
