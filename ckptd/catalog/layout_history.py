@@ -7,6 +7,7 @@ Lock order, as everywhere: a step, then its history rows, then shard rows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -15,7 +16,9 @@ from sqlalchemy.orm import Session
 
 from ckptd.catalog.models import Checkpoint, Shard, StrategyFile, VerificationEvent
 from ckptd.catalog.repo import insert_ignore, add_event, for_update, history_rows
-from ckptd.states import SUPERSEDED_KIND, ShardState, StepState
+from ckptd.states import RESAVABLE_KINDS, SUPERSEDED_KIND, Resave, ShardState, StepState, layout_resave
+
+log = logging.getLogger("ckptd.ingest")
 
 
 @dataclass(frozen=True)
@@ -100,3 +103,27 @@ def drop_empty_history(session: Session, ckpt: Checkpoint, history_ids: set[int]
         session.execute(update(VerificationEvent).where(VerificationEvent.checkpoint_id == row.id)
                         .values(checkpoint_id=ckpt.id))
         session.execute(delete(Checkpoint).where(Checkpoint.id == row.id))
+
+
+def follow_layout_change(s: Session, ckpt: Checkpoint) -> Resave | None:
+    """Re-bind ``ckpt`` (locked) if it was re-saved under the layout its strategy file holds
+    now, superseding its shards of the old layout (``states.layout_resave``). The re-save if
+    it did, else None."""
+    if ckpt.kind not in RESAVABLE_KINDS or ckpt.strategy_id is None or ckpt.state == StepState.DELETING.value:
+        return None
+    rows = strategy_rows(s, ckpt.run_id)
+    bound = next((r for at_path in rows.values() for r in at_path if r.id == ckpt.strategy_id), None)
+    if bound is None:
+        return None
+    now = rows[bound.path][0]  # what the file the step was saved with holds now
+    if not now.valid:
+        return None  # a file that does not parse says nothing about the layout
+    shards = {sid: (rank, mtime) for sid, rank, mtime in s.execute(
+        select(Shard.id, Shard.rank, Shard.mtime_ns).where(Shard.checkpoint_id == ckpt.id)).all()}
+    resave = layout_resave(bound.content_hash, now.content_hash, now.world_size, now.appeared_ns, shards)
+    if resave is None:
+        return None
+    rebind_resaved_step(s, ckpt, bound, now, sorted(resave.superseded))
+    log.info("run %d step %d was re-saved under strategy %s: re-bound, %d shard(s) of %s superseded",
+             ckpt.run_id, ckpt.step, now.content_hash[:19], len(resave.superseded), bound.content_hash[:19])
+    return resave

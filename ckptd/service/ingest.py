@@ -32,7 +32,7 @@ from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
 from ckptd.service import iteration, rank_strategies, runhints
 from ckptd.settings import Settings
-from ckptd.states import RESAVABLE_KINDS, Resave, ShardState, StepState, layout_resave
+from ckptd.states import RESAVABLE_KINDS, ShardState, StepState
 
 log = logging.getLogger("ckptd.ingest")
 _BATCH = 512  # shard paths a rescan examines per batch
@@ -300,7 +300,7 @@ class Ingestor:
                 missing = sorted(need - present)
             superseded: frozenset = frozenset()
             if strategy is not None and ckpt.strategy_id not in (None, strategy.id):
-                resave = self._follow_layout_change(s, ckpt)  # None unless the step was re-saved under a newer layout
+                resave = layout_history.follow_layout_change(s, ckpt)  # None unless the step was re-saved under a newer layout
                 superseded = resave.superseded if resave is not None else superseded
             back = {reg.moved_from for reg in registered if reg.moved_from is not None}
             if back:  # superseded shards rewritten: they are the step's again
@@ -326,30 +326,6 @@ class Ingestor:
             self.submit_step(ckpt_id)  # every shard verified but the step checks never ran (e.g. a crash)
         return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
 
-    @staticmethod
-    def _follow_layout_change(s: Session, ckpt: Checkpoint) -> Resave | None:
-        """Re-bind ``ckpt`` (locked) if it was re-saved under the layout its strategy file holds
-        now, superseding its shards of the old layout (``states.layout_resave``). The re-save if
-        it did, else None."""
-        if ckpt.kind not in RESAVABLE_KINDS or ckpt.strategy_id is None or ckpt.state == StepState.DELETING.value:
-            return None
-        rows = layout_history.strategy_rows(s, ckpt.run_id)
-        bound = next((r for at_path in rows.values() for r in at_path if r.id == ckpt.strategy_id), None)
-        if bound is None:
-            return None
-        now = rows[bound.path][0]  # what the file the step was saved with holds now
-        if not now.valid:
-            return None  # a file that does not parse says nothing about the layout
-        shards = {sid: (rank, mtime) for sid, rank, mtime in s.execute(
-            select(Shard.id, Shard.rank, Shard.mtime_ns).where(Shard.checkpoint_id == ckpt.id)).all()}
-        resave = layout_resave(bound.content_hash, now.content_hash, now.world_size, now.appeared_ns, shards)
-        if resave is None:
-            return None
-        layout_history.rebind_resaved_step(s, ckpt, bound, now, sorted(resave.superseded))
-        log.info("run %d step %d was re-saved under strategy %s: re-bound, %d shard(s) of %s superseded",
-                 ckpt.run_id, ckpt.step, now.content_hash[:19], len(resave.superseded), bound.content_hash[:19])
-        return resave
-
     def _follow_layout_changes(self, run_id: int) -> None:
         """After a strategy file was seen: steps bound to an older content of a strategy file with
         a shard written after the file's current content appeared were re-saved under it. Finds
@@ -370,7 +346,7 @@ class Ingestor:
         for ckpt_id in sorted(candidates):  # one transaction per step: it locks that one row (and its history)
             with self.sessions.begin() as s:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)
-                if self._follow_layout_change(s, ckpt) is None:
+                if layout_history.follow_layout_change(s, ckpt) is None:
                     continue
                 state = repo.recompute_step_state(s, ckpt)
             if state == StepState.PENDING:
