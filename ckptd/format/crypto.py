@@ -63,6 +63,7 @@ from ckptd.format.crypto_blocks import (
     sniff_encryption,
     validate_key,
 )
+from ckptd.format.digest import StreamDigest
 from ckptd.format.source import MmapSource
 
 __all__ = [
@@ -140,6 +141,7 @@ class EncryptedSource:
         *,
         workers: int | None = None,
         check_key: bool = True,
+        digest: StreamDigest | None = None,
     ) -> None:
         self.path = os.fspath(path)
         if not isinstance(key, (bytes, bytearray, memoryview)):
@@ -152,7 +154,7 @@ class EncryptedSource:
             raise exc.with_path(self.path) from None
         self._key = bytes(key)
         self.workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-        self._raw = MmapSource(self.path)
+        self._raw = MmapSource(self.path, digest)  # the ciphertext is what the file's digest covers
         try:
             self._open(requested, check_key)
         except CkptdError as exc:
