@@ -126,7 +126,8 @@ class CheckpointFile:
             return st_fmt.compute_crc(self.source, self._st_index, workers=workers)
         covered = self.crc.covered if self.crc is not None and self.crc.covered is not None else self.source.size
         if isinstance(self.source, MmapSource):
-            return parallel_crc32(self.source.view(0, covered), workers, release=self.source.release)
+            return parallel_crc32(self.source.view(0, covered), workers, release=self.source.release,
+                                  prefetch=self.source.prefetch)
         value, done = 0, 0
         for block in self.source.iter_plaintext():  # type: ignore[attr-defined]
             take = min(len(block), covered - done)

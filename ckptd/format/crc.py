@@ -107,10 +107,12 @@ def parallel_crc32(
     workers: int | None = None,
     chunk: int = 64 << 20,
     release: Callable[[int, int], None] | None = None,
+    prefetch: Callable[[int, int], None] | None = None,
 ) -> int:
     """CRC-32 of ``buf`` using up to ``workers`` threads (default: CPU count).
 
-    ``release(offset, length)`` is called after each chunk is done (e.g. to unmap its pages).
+    ``release(offset, length)`` is called after each chunk is done (e.g. to unmap its pages),
+    ``prefetch(offset, length)`` for the chunk after the newest one taken (to start its read).
     At most ``workers`` chunks are in flight, taken in file order, so chunks finish roughly in
     order and the caller's memory stays bounded by ``workers`` chunks.
     """
@@ -125,17 +127,25 @@ def parallel_crc32(
             release(off, length)
         return value
 
+    def ahead(i: int) -> None:
+        if prefetch is not None and i < len(pieces):
+            prefetch(*pieces[i])
+
     if workers <= 1 or n < _MIN_PARALLEL:
-        crcs = [one(p) for p in pieces]
+        crcs = []
+        for i, p in enumerate(pieces):
+            ahead(i + 1)
+            crcs.append(one(p))
     else:
         pool = _shared_pool()
         crcs = []
         inflight: collections.deque[concurrent.futures.Future[int]] = collections.deque()
         try:
-            for p in pieces:
+            for i, p in enumerate(pieces):
                 if len(inflight) >= workers:
                     crcs.append(inflight.popleft().result())
                 inflight.append(pool.submit(one, p))
+                ahead(i + 1)
             while inflight:
                 crcs.append(inflight.popleft().result())
         finally:

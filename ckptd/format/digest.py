@@ -82,6 +82,7 @@ class StreamDigest:
                 try:
                     for off in range(self.done, src.size, _CHUNK):
                         n = min(_CHUNK, src.size - off)
+                        src.prefetch(off + n, _CHUNK)
                         self._h.update(src.view(off, n))
                         src.release(off, n)
                     self.done = max(self.done, src.size)

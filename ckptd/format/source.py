@@ -72,6 +72,17 @@ class MmapSource:
             if end > start:
                 self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def prefetch(self, offset: int, length: int) -> None:
+        """Ask the kernel to start reading ``[offset, offset+length)`` now (a full scan calls it
+        one chunk ahead). Page faults on a mapping read ahead only a little around the faulting
+        page; on a cold file that made a scan 1.5-2.5x slower than ``cat`` (bench/verify_cold.py)."""
+        if self._mm is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        start = max(0, offset - offset % mmap.PAGESIZE)
+        end = min(offset + length, self.size)
+        if end > start:
+            self._mm.madvise(mmap.MADV_WILLNEED, start, end - start)
+
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(

@@ -54,6 +54,7 @@ def file_digest(path: str) -> str:
     try:
         for off in range(0, src.size, _DIGEST_CHUNK):
             n = min(_DIGEST_CHUNK, src.size - off)
+            src.prefetch(off + n, _DIGEST_CHUNK)
             h.update(src.view(off, n))
             src.release(off, n)
     finally:
