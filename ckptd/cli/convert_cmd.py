@@ -49,7 +49,7 @@ Usage (these flags are a public contract; keep them)::
 
 Entries that are in no strategy (global_step, epoch_num, step_num, ...) are copied from source rank
 ``r % src_devices`` like MindSpore, except ``rank_id``, which is set to the destination rank.
-Exit status: 0 done (every file re-read and verified), 1 refused or failed (nothing left that
+Exit status: 0 done (every file verified), 1 refused or failed (nothing left that
 looks complete), 2 usage error.
 """
 
