@@ -43,6 +43,10 @@ class Daemon:
         self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache,
                                  self.nodes)
         self._stopping = threading.Event()
+        # conversions run as API jobs on worker threads; /metrics reports their throughput
+        self._conversion_lock = threading.Lock()
+        self.conversion_bytes = 0
+        self.conversion_seconds = 0.0
         self.watcher = Watcher(
             self.ingestor,
             debounce=settings.debounce,
@@ -50,6 +54,12 @@ class Daemon:
             settle_seconds=settings.settle_seconds,
             backend=settings.watch_backend,
         )
+
+    def record_conversion(self, nbytes: int, seconds: float) -> None:
+        """A conversion finished here: ``nbytes`` written (and verified) in ``seconds``."""
+        with self._conversion_lock:
+            self.conversion_bytes += nbytes
+            self.conversion_seconds += seconds
 
     def start(self) -> None:
         log.info("watching %s as node %s (catalog %s)", self.settings.root, self.settings.node_name,

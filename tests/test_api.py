@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,6 +187,8 @@ def test_steps_shards_jobs_metrics_and_openapi(ms, root, server):
     assert 'ckptd_shards{state="verified"} 4' in metrics
     assert 'ckptd_recovery_point_seconds{run="run1"}' in metrics and "ckptd_verified_bytes_total" in metrics
     assert "ckptd_file_events_lost_total 0" in metrics and "ckptd_rescans_total" in metrics
+    (rate,) = re.findall(r'^ckptd_verification_bytes_per_second\{node="[^"]+"\} (\S+)$', metrics, re.M)
+    assert float(rate) > 0  # this node verified 4 shards
     health = server.client().get("/healthz").json()
     assert health["status"] == "ok" and health["file_events"] == "inotify" and health["file_events_lost"] == 0
     schema = server.client().get("/openapi.json").json()
@@ -246,6 +249,7 @@ def test_cli_resume_ls_show_gc_verify_config(ms, root, catalog_url):
     assert ckptd("show", "run1", "200").returncode == 0
     r = ckptd("verify", "--run", "run1", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["shards"] == {"verified": 4}
+    assert json.loads(r.stdout)["bytes_verified"] > 0 and json.loads(r.stdout)["bytes_per_second"] > 0
     r = ckptd("gc", "--run", "run1", "--keep-last", "1", "--dry-run", "--json")
     assert json.loads(r.stdout)["runs"][0]["delete"] == [100]
     assert ckptd("mark-bad", "--run", "run1", "--step", "200", "--reason", "spike").returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,9 @@ def test_api_conversion_is_catalogued_and_served_for_the_target_world_size(ms, r
         assert done["state"] == "done", done
         conv = c.get("/v1/runs/run1/conversions").json()
         assert conv[0]["state"] == "done" and conv[0]["source_step"] == 100 and conv[0]["target_strategy_hash"] == "none"
+        metrics = c.get("/metrics").text  # the conversion's throughput on this node
+        (rate,) = re.findall(r'^ckptd_conversion_bytes_per_second\{node="[^"]+"\} (\S+)$', metrics, re.M)
+        assert float(rate) > 0 and not re.search(r"^ckptd_conversion_bytes_total 0$", metrics, re.M)
         # the newest step has no copy yet; asking at or before 150 finds the converted one
         assert c.get("/v1/runs/run1/resume", params={"world_size": 1}).json()["conversion"]["existing"] is None
         answer = c.get("/v1/runs/run1/resume", params={"world_size": 1, "max_step": 150, "lease": False}).json()

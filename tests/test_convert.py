@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -454,11 +455,11 @@ def test_streamed_output_is_byte_identical_to_write_checkpoint(tmp_path, monkeyp
 
 
 def test_verifier_catches_a_flipped_byte(tmp_path):
-    """The verifier's digests of the re-read output match the sources' for a good file and fail
+    """The verifier's digests of the output match the sources' for a good file and fail
     (ConvertError, nothing reported done) when one payload byte differs."""
     from ckptd.convert.plan import ConversionPlan
     from ckptd.convert.sources import OpenSources, region_digest
-    from ckptd.convert.verify import check_index, verify_pieces
+    from ckptd.convert.verify import PieceCheck, check_index, verify_pieces
     from ckptd.format.layout import TensorLayout
     from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
 
@@ -487,6 +488,13 @@ def test_verifier_catches_a_flipped_byte(tmp_path):
     data[off + length - 3] ^= 0x40  # in the piece read from source rank 1
     with pytest.raises(ConvertError, match=r"verification failed: 'w2' region \[64, 0\].*source rank 1"):
         verify_pieces(task, written["w2"], digests["w2"], lambda o, n: view[o : o + n], buf, path)
+    # the writer's check on the bytes in hand (bands of whole rows) sees the same flip
+    check = PieceCheck(task, path)
+    rows = task.nbytes // task.dst_slice.sizes[0]
+    bands = [SimpleNamespace(data=view[o : o + 16 * rows]) for o in range(off, off + length, 16 * rows)]
+    assert len(list(check.bands(bands))) == len(bands)
+    with pytest.raises(ConvertError, match=r"verification failed: 'w2' region \[64, 0\].*source rank 1"):
+        check.check(digests["w2"])
     with pytest.raises(ConvertError, match="indexed at"):
         check_index(path, None, rank.tasks, {**written, "w1": ((0, 1),)}, {})
 

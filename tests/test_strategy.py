@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import types
 
@@ -515,9 +516,10 @@ def test_verify_of_a_conversion_output_checks_its_strategy_file_as_a_strategy(tm
     assert rc == 0, text
     assert f"ok   {strategy_file} (strategy proto, 2 parameter layouts, 1 stage x 1 device)" in text
     assert f"ok   {out / 'rank_0' / 'checkpoint_0.ckpt'} (ckpt, 2 entries, crc valid)" in text
-    assert "2 valid, 0 invalid" in text
+    assert re.search(r"2 valid, 0 invalid; [\d.]+ (B|KiB) in [\d.]+ s \([\d.]+ \S+/s\)", text), text  # throughput
     rc, text = _verify(capsys, "--json", "--require-crc", str(out))  # strategies have no CRC to require
     doc = json.loads(text)
+    assert doc["bytes"] == sum(f["size"] for f in doc["files"]) and doc["seconds"] > 0
     assert rc == 0 and doc["ok"]
     rows = {os.path.basename(f["path"]): f for f in doc["files"]}
     assert rows[strategy_file.name]["kind"] == "strategy" and rows[strategy_file.name]["format"] == "proto"

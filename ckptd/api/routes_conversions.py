@@ -40,9 +40,13 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
         conversions.check_source(s, run, body.step)  # 404 / 400 now, not a failed job later
 
     def work(progress):  # noqa: ANN001, ANN202
-        return conversions.convert_step(
+        doc = conversions.convert_step(
             daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, to_layout=body.to_layout,
             key=daemon.verifier.key, progress=progress,
         )
+        report = doc.get("report")
+        if report is not None:  # a reused copy moved no bytes
+            daemon.record_conversion(report["bytes_written"], report["seconds"])
+        return doc
 
     return request.app.state.jobs.start("convert", run, body.model_dump(), 0, work)

@@ -39,9 +39,15 @@ def healthz(request: Request, response: Response, s: SessionDep) -> dict[str, An
             "stalled": stalled}
 
 
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds:.1f}" if seconds > 0 else "0"
+
+
 @router.get("/metrics", response_class=PlainTextResponse, responses=text_route_responses(401, 403, 422))
 def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
-    verifier = request.app.state.daemon.verifier
+    daemon = request.app.state.daemon
+    verifier = daemon.verifier
+    node = request.app.state.settings.node_name
     lines = [
         "# HELP ckptd_shards Shards in the catalog by state.",
         "# TYPE ckptd_shards gauge",
@@ -67,6 +73,19 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# HELP ckptd_verification_seconds_total Time spent verifying shards.",
         "# TYPE ckptd_verification_seconds_total counter",
         f"ckptd_verification_seconds_total {verifier.verify_seconds:.6f}",
+        "# HELP ckptd_verification_bytes_per_second Verification throughput of this node since start: bytes verified "
+        "per second spent verifying (per worker; 0 before the first shard).",
+        "# TYPE ckptd_verification_bytes_per_second gauge",
+        f'ckptd_verification_bytes_per_second{{node="{node}"}} {_rate(verifier.verified_bytes, verifier.verify_seconds)}',
+        "# HELP ckptd_conversion_bytes_total Bytes written (and verified) by conversions on this node since start.",
+        "# TYPE ckptd_conversion_bytes_total counter",
+        f"ckptd_conversion_bytes_total {daemon.conversion_bytes}",
+        "# HELP ckptd_conversion_seconds_total Wall time of conversions on this node since start.",
+        "# TYPE ckptd_conversion_seconds_total counter",
+        f"ckptd_conversion_seconds_total {daemon.conversion_seconds:.6f}",
+        "# HELP ckptd_conversion_bytes_per_second Conversion throughput of this node since start (0 before the first).",
+        "# TYPE ckptd_conversion_bytes_per_second gauge",
+        f'ckptd_conversion_bytes_per_second{{node="{node}"}} {_rate(daemon.conversion_bytes, daemon.conversion_seconds)}',
         "# HELP ckptd_recovery_point_seconds Seconds since each run's newest restorable step became restorable (RPO).",
         "# TYPE ckptd_recovery_point_seconds gauge",
     ]

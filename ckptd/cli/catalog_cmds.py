@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from ckptd.cli.service import add_daemon_flags, settings_from
@@ -292,6 +293,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_verify_run(args: argparse.Namespace) -> int:
     """``ckptd verify --run R [--step S]``: re-verify catalogued shards now, with a progress bar."""
+    from ckptd.cli.files import rate_text
     from ckptd.service.ingest import Ingestor
     from ckptd.service.jobs import reverify, select_shards
     from ckptd.service.verifier import Verifier
@@ -308,14 +310,19 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
             filled = int(30 * done / max(total, 1))
             print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
 
+    t0 = time.perf_counter()
     try:
         result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar)
     finally:
         verifier.close()
+    seconds = time.perf_counter() - t0
+    result = {**result, "bytes_verified": verifier.verified_bytes, "seconds": round(seconds, 6),
+              "bytes_per_second": round(verifier.verified_bytes / seconds) if seconds > 0 else None}
     if sys.stderr.isatty() or args.progress:
         print(file=sys.stderr)
     bad = {k: v for k, v in result["shards"].items() if k != "verified"}
-    text = [f"{len(shards)} shards: " + ", ".join(f"{v} {k}" for k, v in sorted(result["shards"].items()))]
+    text = [f"{len(shards)} shards: " + ", ".join(f"{v} {k}" for k, v in sorted(result["shards"].items()))
+            + f"; {rate_text(verifier.verified_bytes, seconds)}"]
     text += [f"step {step}: {p}" for step, probs in result["step_problems"].items() for p in probs]
     _emit(args, result, "\n".join(text))
     return 0 if not bad and not result["step_problems"] else 1

@@ -49,7 +49,7 @@ Usage (these flags are a public contract; keep them)::
 
 Entries that are in no strategy (global_step, epoch_num, step_num, ...) are copied from source rank
 ``r % src_devices`` like MindSpore, except ``rank_id``, which is set to the destination rank.
-Exit status: 0 done (every file re-read and verified), 1 refused or failed (nothing left that
+Exit status: 0 done (every file verified), 1 refused or failed (nothing left that
 looks complete), 2 usage error.
 """
 
@@ -62,6 +62,7 @@ import sys
 from typing import Any
 
 from ckptd.cli.files import human_bytes as _human
+from ckptd.cli.files import rate_text
 from ckptd.errors import CkptdError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -176,7 +177,7 @@ def run_convert(args: argparse.Namespace) -> int:
     else:
         for r in report.ranks:
             print(f"rank {r.rank}: {r.path} ({_human(r.bytes)}, {r.tensors} tensors, {r.pieces_verified} regions verified)")
-        print(f"converted {len(report.ranks)} rank(s), {_human(report.bytes_written)} in {report.seconds:.2f} s; all verified")
+        print(f"converted {len(report.ranks)} rank(s), {rate_text(report.bytes_written, report.seconds)}; all verified")
         if strategy_path:
             print(f"destination strategy: {strategy_path}")
     return EXIT_OK
@@ -204,8 +205,10 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
         print(f"run {args.run} step {args.step} is already converted to target {doc['target_strategy_hash'][:19]}: "
               f"{doc['out_dir']} (unchanged since it was verified; nothing rewritten)")
     else:
+        rep = doc.get("report") or {}
+        rate = f"{rate_text(rep['bytes_written'], rep['seconds'])}; " if "bytes_written" in rep else ""
         print(f"converted run {args.run} step {args.step} -> {doc['out_dir']} (catalogued as a converted copy, "
-              f"target {doc['target_strategy_hash'][:19]}); every slice verified")
+              f"target {doc['target_strategy_hash'][:19]}); {rate}every slice verified")
     return EXIT_OK
 
 

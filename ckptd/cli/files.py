@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Iterator
 
 from ckptd.errors import CkptdError
@@ -65,6 +66,12 @@ def register(sub: Any) -> None:
 
 def _key(args: argparse.Namespace) -> bytes | None:
     return crypto.load_key_file(args.key_file) if args.key_file else None
+
+
+def rate_text(nbytes: int, seconds: float) -> str:
+    """``1.2 GiB in 0.85 s (1.4 GiB/s)``: throughput as the CLI prints it."""
+    per_s = nbytes / seconds if seconds > 0 else 0.0
+    return f"{human_bytes(nbytes)} in {seconds:.2f} s ({human_bytes(int(per_s))}/s)"
 
 
 def human_bytes(n: int) -> str:
@@ -167,10 +174,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not args.paths:
         raise CkptdError("nothing to verify", hint="ckptd verify PATH... or ckptd verify --run R [--step S]")
     key = _key(args)
+    t0 = time.perf_counter()
     reports = [verify_path(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
+    seconds = time.perf_counter() - t0
+    nbytes = sum(r.size for r in reports)
     ok = all(r.ok for r in reports)
     if args.json:
-        json.dump({"schema": VERIFY_SCHEMA, "ok": ok, "files": [r.to_dict() for r in reports]}, sys.stdout, indent=2)
+        json.dump({"schema": VERIFY_SCHEMA, "ok": ok, "files": [r.to_dict() for r in reports], "bytes": nbytes,
+                   "seconds": round(seconds, 6), "bytes_per_second": round(nbytes / seconds) if seconds > 0 else None},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for r in reports:
@@ -184,5 +196,5 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for p in r.problems:
                 print(_problem_line(r, p.code, p.message, p.offset, p.hint))
         bad = sum(not r.ok for r in reports)
-        print(f"{len(reports) - bad} valid, {bad} invalid")
+        print(f"{len(reports) - bad} valid, {bad} invalid; {rate_text(nbytes, seconds)}")
     return 0 if ok else 1

@@ -68,7 +68,7 @@ def _noop() -> None:
 
 
 class BufferSet:
-    """One worker's reusable band buffers (+ two for its verifier).
+    """One worker's reusable band buffers.
 
     Reused across every rank the worker converts: fresh memory costs a page fault per 4 KiB on
     first touch (slow on VMs), reused memory does not.
@@ -76,8 +76,6 @@ class BufferSet:
 
     def __init__(self) -> None:
         self.bands: list[np.ndarray] = []
-        self.verify = np.empty(0, np.uint8)
-        self.verify_read = np.empty(0, np.uint8)
 
     def prepare(self, tasks: Sequence[TensorTask]) -> int:
         """Grow the buffers to this rank's largest band; returns that size."""
@@ -85,10 +83,6 @@ class BufferSet:
         if len(self.bands) < PIPELINE_BANDS or any(b.nbytes < size for b in self.bands):
             self.bands = []  # drop the old ones before allocating bigger ones
             self.bands = [np.empty(max(size, 1), np.uint8) for _ in range(PIPELINE_BANDS)]
-        if self.verify.nbytes < size:
-            self.verify = self.verify_read = np.empty(0, np.uint8)
-            self.verify = np.empty(size, np.uint8)
-            self.verify_read = np.empty(size, np.uint8)
         return size
 
 

@@ -5,13 +5,14 @@ Per destination rank three threads form a pipeline (the rank's worker is the wri
   assembler (ckptd/convert/assemble.py)  -- bands of each tensor: zero-copy source views, or
         |                                   pooled buffers filled from source row chunks; hashes
         v   bounded queue                   every piece's source region
-  writer (ckptd/convert/writers.py)      -- MindSpore's exact record bytes; write-back of the file
-        |                                   is started as it grows, one fsync at the end
-        v   written tensors
-  verifier (ckptd/convert/verify.py)     -- re-reads each tensor from the file and compares every
-                                            piece's digest; then the finished file's index
+  writer (ckptd/convert/writers.py)      -- hashes every piece's destination region of each band
+                                            before writing it (ckptd/convert/verify.py: the bytes
+                                            in hand, the file is not read back), MindSpore's exact
+                                            record bytes; write-back of the file is started as it
+                                            grows, one fsync at the end; then the finished file's
+                                            index is checked against the plan
 
-so copying, writing, the disk and verification overlap, even for a single destination rank
+so copying, writing and the disk overlap, even for a single destination rank
 (``--to-strategy none``). Ranks run in parallel on ``workers`` threads (numpy copies, hashing,
 CRCs and file I/O release the GIL). Memory: a few bands (``BAND_BYTES``) per worker, whatever the
 tensor or checkpoint sizes (:func:`~ckptd.convert.plan_types.estimate_peak`).
@@ -49,7 +50,7 @@ from ckptd.convert.sources import (  # re-exported: callers import them from her
     region_chunks,
     region_digest,
 )
-from ckptd.convert.verify import BackgroundVerifier, check_index
+from ckptd.convert.verify import PieceCheck, check_index
 from ckptd.convert.writers import Band, CkptWriter, OutFile, SafetensorsWriter, Segments, safetensors_order
 from ckptd.format.atomic import fsync_dir
 from ckptd.format.crypto import EncMode, EncryptingWriter
@@ -120,10 +121,11 @@ def _bands_until_end(items: Iterator[Any], ends: list[ArrayEnd]) -> Iterator[Ban
 
 
 def _write_rank(rp: RankPlan, pipeline: Pipeline, out: OutFile, out_format: OutFormat,
-                out_key: bytes | None, verifier: BackgroundVerifier | None, tick: Callable[[int], None],
-                ) -> tuple[dict[str, Segments], dict[str, Any], list[tuple[Any, tuple[bytes, ...]]]]:
-    """Drain the pipeline into the file; returns (where each entry was written, expected small
-    values, tensors left to verify after the file is complete)."""
+                out_key: bytes | None, tick: Callable[[int], None],
+                ) -> tuple[dict[str, Segments], dict[str, Any], int]:
+    """Drain the pipeline into the file, checking every tensor's pieces on the bytes in hand
+    (:class:`~ckptd.convert.verify.PieceCheck`); returns (where each entry was written, expected
+    small values, pieces verified)."""
     enc = EncryptingWriter(out, out_key, EncMode.AES_GCM) if out_key is not None else None  # type: ignore[arg-type]
     writer: CkptWriter | SafetensorsWriter
     if out_format == "safetensors":
@@ -132,7 +134,7 @@ def _write_rank(rp: RankPlan, pipeline: Pipeline, out: OutFile, out_format: OutF
         writer = CkptWriter(enc if enc is not None else out, crc=out_key is None)
     written: dict[str, Segments] = {}
     values: dict[str, Any] = {}
-    deferred: list[tuple[Any, tuple[bytes, ...]]] = []
+    checked = 0
     items = iter(pipeline)
     for item in items:
         if isinstance(item, ValueItem):
@@ -143,23 +145,18 @@ def _write_rank(rp: RankPlan, pipeline: Pipeline, out: OutFile, out_format: OutF
         if not isinstance(item, ArrayStart):
             raise ConvertError(f"internal error: unexpected {type(item).__name__} from the assembler")
         task, ends = item.task, []
-        written[task.name] = writer.write_bands(task, _bands_until_end(items, ends))
+        check = PieceCheck(task, out.path)
+        written[task.name] = writer.write_bands(task, check.bands(_bands_until_end(items, ends)))
         if not ends:
             raise ConvertError(f"internal error: {task.name!r} was not finished by the assembler")
         if task.kind == "rank_id":
             values[task.name] = rp.rank
-        if verifier is not None:
-            out.flush()  # the verifier reads through the kernel
-            verifier.submit(task, written[task.name], ends[0].digests)
-            if verifier.error is not None:
-                raise verifier.error
-        else:
-            deferred.append((task, ends[0].digests))
+        checked += check.check(ends[0].digests)
         tick(task.nbytes)
     writer.finish()
     if enc is not None:
         enc.close()
-    return written, values, deferred
+    return written, values, checked
 
 
 def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_root: str, prefix: str, out_format: OutFormat,
@@ -172,23 +169,18 @@ def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_root: str, prefix: str
     path = os.path.join(rank_dir, f"{prefix}{rp.rank}.{ext}")
     order = safetensors_order(rp.tasks) if out_format == "safetensors" else list(rp.tasks)
     buffers = buffer_sets.get()
-    out = pipeline = verifier = None
+    out = pipeline = None
     try:
         buffers.prepare(order)
-        out = OutFile(path, kick=out_key is not None)
-        if out_key is None:  # encrypted bytes can only be re-read once the file is complete
-            verifier = BackgroundVerifier(path, buffers.verify, buffers.verify_read)
+        out = OutFile(path)  # starts write-back as the file grows: the final fsync waits for the tail only
         pipeline = Pipeline(rp.rank, order, sources, buffers, abort)
-        written, values, deferred = _write_rank(rp, pipeline, out, out_format, out_key, verifier, tick)
+        written, values, checked = _write_rank(rp, pipeline, out, out_format, out_key, tick)
         out.finish()
-        checked = verifier.finish() if verifier is not None else 0
-        checked += check_index(path, out_key, rp.tasks, written, values, deferred, buffers.verify)
+        checked += check_index(path, out_key, rp.tasks, written, values)
     finally:
         # threads first: nothing may touch the buffers once they are back in the set
         if pipeline is not None:
             pipeline.close()
-        if verifier is not None:
-            verifier.close()
         if out is not None:
             out.close()
         buffer_sets.put(buffers)

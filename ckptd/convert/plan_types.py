@@ -206,8 +206,8 @@ def band_bytes(shape: tuple[int, ...], isize: int) -> int:
 
 
 def estimate_peak(tasks: Iterable[TensorTask]) -> int:
-    """Extra memory converting one destination rank needs: the pipeline's band buffers plus the
-    verifier's two (each as large as the largest band) and the source chunks being read (mapped
+    """Extra memory converting one destination rank needs: the pipeline's band buffers (each as
+    large as the largest band) and the source chunks being read (mapped
     pages are released after each chunk): bounded by the band size, not by tensor or checkpoint
     sizes (except for single rows wider than a band)."""
     band = reads = 0
@@ -220,4 +220,4 @@ def estimate_peak(tasks: Iterable[TensorTask]) -> int:
             span = span_bytes(p.src_region, p.src_shape, isz)
             row = band_bytes((1,) + tuple(p.src_shape[1:]), isz) if p.src_shape else isz
             reads = max(reads, min(span, max(row, CHUNK_BYTES)))
-    return (PIPELINE_BANDS + 2) * band + 2 * reads
+    return PIPELINE_BANDS * band + 2 * reads

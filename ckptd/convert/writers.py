@@ -5,11 +5,12 @@ a few MiB: zero-copy views of a source file, or pooled buffers the assembler fil
 frame them into records exactly as ``write_checkpoint`` / MindSpore would (same record headers,
 same >512 MiB split, same CRC trailer; tests/test_convert.py pins byte equality) without ever
 holding a whole tensor. Each writer returns where every tensor's payload landed (plaintext
-offsets) so the verifier can re-read exactly those bytes and check them against the file's index.
+offsets) so the file's index can be checked against exactly those bytes.
 
 :class:`OutFile` is the raw file; write-back of what was written is started early
-(``sync_file_range``: every ``KICK_BYTES`` here, or by the verifier once it checked a tensor) so the disk works while we produce the rest and the final ``fsync`` only waits for the
-tail; otherwise the kernel would hold every page dirty until that fsync.
+(``sync_file_range`` every ``KICK_BYTES``, on a helper thread: the call can block while the disk
+queue is full, and the writer must not) so the disk works while we produce the rest and the final
+``fsync`` only waits for the tail; otherwise the kernel would hold every page dirty until that fsync.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes
 import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -72,13 +74,29 @@ class OutFile:
     """
 
     def __init__(self, path: str, *, kick: bool = True) -> None:
-        """``kick``: start write-back every ``KICK_BYTES`` here (False: the verifier does it once
-        it checked the bytes, see :class:`~ckptd.convert.verify.BackgroundVerifier`)."""
+        """``kick``: start write-back every ``KICK_BYTES`` (False: the final fsync does it all)."""
         self.path, self.kick = path, kick
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._small = bytearray()
         self._in_kernel = 0  # bytes handed to write(2)
         self._kicked = 0  # bytes whose write-back was started
+        self._cond = threading.Condition()
+        self._closing = False
+        self._kicker: threading.Thread | None = None
+        if kick and _sync_file_range is not None:
+            self._kicker = threading.Thread(target=self._kick_loop, daemon=True, name="ckptd-writeback")
+            self._kicker.start()
+
+    def _kick_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and self._in_kernel - self._kicked < KICK_BYTES:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                start, end = self._kicked, self._in_kernel
+                self._kicked = end
+            start_writeback(self.fd, start, end - start)
 
     def write(self, data: Any) -> int:
         mv = memoryview(data).cast("B")
@@ -96,9 +114,9 @@ class OutFile:
             n = os.write(self.fd, mv)
             mv = mv[n:]
             self._in_kernel += n
-        if self.kick and self._in_kernel - self._kicked >= KICK_BYTES:
-            start_writeback(self.fd, self._kicked, self._in_kernel - self._kicked)
-            self._kicked = self._in_kernel
+        if self._kicker is not None and self._in_kernel - self._kicked >= KICK_BYTES:
+            with self._cond:
+                self._cond.notify()
 
     def flush(self) -> None:
         """Hand coalesced small writes to the kernel (the verifier reads through it)."""
@@ -113,12 +131,22 @@ class OutFile:
             n = os.pwrite(self.fd, mv, offset)
             mv, offset = mv[n:], offset + n
 
+    def _stop_kicker(self) -> None:
+        if self._kicker is not None:
+            with self._cond:
+                self._closing = True
+                self._cond.notify()
+            self._kicker.join()
+            self._kicker = None
+
     def finish(self) -> None:
         """Everything written and durable (fsync)."""
         self.flush()
+        self._stop_kicker()
         os.fsync(self.fd)
 
     def close(self) -> None:
+        self._stop_kicker()  # before the descriptor goes: the helper must not kick a reused fd
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

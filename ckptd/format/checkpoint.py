@@ -24,6 +24,7 @@ from ckptd.format import ckpt as ckpt_fmt
 from ckptd.format import crypto
 from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.crc import crc32, parallel_crc32
+from ckptd.format.digest import StreamDigest
 from ckptd.format.dtypes import numpy_dtype
 from ckptd.format.entry import TensorEntry
 from ckptd.format.index_cache import IndexCache
@@ -125,7 +126,8 @@ class CheckpointFile:
             return st_fmt.compute_crc(self.source, self._st_index, workers=workers)
         covered = self.crc.covered if self.crc is not None and self.crc.covered is not None else self.source.size
         if isinstance(self.source, MmapSource):
-            return parallel_crc32(self.source.view(0, covered), workers, release=self.source.release)
+            return parallel_crc32(self.source.view(0, covered), workers, release=self.source.release,
+                                  prefetch=self.source.prefetch)
         value, done = 0, 0
         for block in self.source.iter_plaintext():  # type: ignore[attr-defined]
             take = min(len(block), covered - done)
@@ -188,11 +190,13 @@ def open_checkpoint(
     workers: int | None = None,
     index_cache: IndexCache | None = None,
     limits: FormatLimits = DEFAULT_LIMITS,
+    digest: StreamDigest | None = None,
 ) -> CheckpointFile:
     """Open and index a checkpoint. ``key`` decrypts encrypted ``.ckpt`` files (mode auto-detected).
     ``index_cache`` reuses the record index of a plaintext ``.ckpt`` opened before, unchanged.
     ``limits`` bounds what indexing may build (:mod:`ckptd.format.limits`); a file beyond them
-    raises :class:`~ckptd.format.limits.LimitExceededError`."""
+    raises :class:`~ckptd.format.limits.LimitExceededError`. ``digest`` hashes the file's bytes as
+    they are read and released (:mod:`ckptd.format.digest`)."""
     path = os.fspath(path)
     fmt, enc = sniff_format(path)
     if enc is None and key is not None:
@@ -203,9 +207,9 @@ def open_checkpoint(
     try:
         if enc is not None:
             assert key is not None
-            source = crypto.EncryptedSource(path, key, mode or enc, workers=workers)
+            source = crypto.EncryptedSource(path, key, mode or enc, workers=workers, digest=digest)
         else:
-            source = MmapSource(path)
+            source = MmapSource(path, digest)
     except CkptdError as exc:
         raise exc.with_path(path) from None
     try:

@@ -8,8 +8,11 @@ Python module does not expose. ``isal`` is used when installed (~1.5x faster per
 
 from __future__ import annotations
 
+import atexit
+import collections
 import concurrent.futures
 import os
+import threading
 import zlib
 from typing import Callable
 
@@ -39,27 +42,64 @@ def _gf2_square(mat: list[int]) -> list[int]:
     return [_gf2_times(mat, mat[n]) for n in range(32)]
 
 
+# _ZEROS[k]: the GF(2) operator that appends 2**k zero *bytes* to a CRC register. zlib squares its
+# way up from one zero bit on every call (~70 squarings of a 32x32 matrix for a 2**40 length);
+# the operators depend on nothing but k, so they are built once, as far as a length needs them.
+_ZEROS: list[list[int]] = []
+_ZEROS_LOCK = threading.Lock()
+
+
+def _zeros_operator(k: int) -> list[int]:
+    if k >= len(_ZEROS):
+        with _ZEROS_LOCK:
+            if not _ZEROS:
+                op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+                for _ in range(3):  # 2, 4, 8 zero bits = one zero byte
+                    op = _gf2_square(op)
+                _ZEROS.append(op)
+            while k >= len(_ZEROS):
+                _ZEROS.append(_gf2_square(_ZEROS[-1]))
+    return _ZEROS[k]
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC of A+B given crc(A), crc(B) and len(B) (port of zlib's crc32_combine)."""
+    """CRC of A+B given crc(A), crc(B) and len(B) (zlib's crc32_combine; the operators for
+    powers of two are cached, so a call costs one matrix-vector product per set bit of len2)."""
     if len2 <= 0:
         return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    k = 0
+    while len2:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(_zeros_operator(k), crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        k += 1
     return crc1 ^ crc2
+
+
+# One pool for the process, created on first use: a pool per call cost a thread start-up per
+# file, and several verifier workers each making a pool of cpu_count threads oversubscribed the
+# cores. Shut down at interpreter exit so no worker outlives the module.
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
+                                                              thread_name_prefix="ckptd-crc")
+    return _pool
+
+
+@atexit.register
+def _shutdown_pool() -> None:
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def parallel_crc32(
@@ -67,10 +107,14 @@ def parallel_crc32(
     workers: int | None = None,
     chunk: int = 64 << 20,
     release: Callable[[int, int], None] | None = None,
+    prefetch: Callable[[int, int], None] | None = None,
 ) -> int:
     """CRC-32 of ``buf`` using up to ``workers`` threads (default: CPU count).
 
-    ``release(offset, length)`` is called after each chunk is done (e.g. to unmap its pages).
+    ``release(offset, length)`` is called after each chunk is done (e.g. to unmap its pages),
+    ``prefetch(offset, length)`` for the chunk after the newest one taken (to start its read).
+    At most ``workers`` chunks are in flight, taken in file order, so chunks finish roughly in
+    order and the caller's memory stays bounded by ``workers`` chunks.
     """
     n = len(buf)
     workers = workers or os.cpu_count() or 1
@@ -83,11 +127,31 @@ def parallel_crc32(
             release(off, length)
         return value
 
+    def ahead(i: int) -> None:
+        if prefetch is not None and i < len(pieces):
+            prefetch(*pieces[i])
+
     if workers <= 1 or n < _MIN_PARALLEL:
-        crcs = [one(p) for p in pieces]
+        crcs = []
+        for i, p in enumerate(pieces):
+            ahead(i + 1)
+            crcs.append(one(p))
     else:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            crcs = list(pool.map(one, pieces))
+        pool = _shared_pool()
+        crcs = []
+        inflight: collections.deque[concurrent.futures.Future[int]] = collections.deque()
+        try:
+            for i, p in enumerate(pieces):
+                if len(inflight) >= workers:
+                    crcs.append(inflight.popleft().result())
+                inflight.append(pool.submit(one, p))
+                ahead(i + 1)
+            while inflight:
+                crcs.append(inflight.popleft().result())
+        finally:
+            for fut in inflight:  # an error: the rest is not needed (and must not touch buf later)
+                fut.cancel()
+            concurrent.futures.wait(inflight)
     total = crcs[0]
     for (_, length), part in zip(pieces[1:], crcs[1:]):
         total = crc32_combine(total, part, length)

@@ -496,6 +496,7 @@ def compute_crc(source: ByteSource, index: SafetensorsIndex, *, workers: int | N
     bfloat16 dtype), so it never writes such a CRC nor verifies one (``crc_check`` load fails).
     """
     crc = 0
+    release = getattr(source, "release", None)
     for ent in sorted(index.entries, key=lambda e: e.name):
         crc = crc32(ent.name.encode("utf-8"), crc)
         (offset, length), = ent.segments
@@ -509,6 +510,8 @@ def compute_crc(source: ByteSource, index: SafetensorsIndex, *, workers: int | N
                 raise
         else:
             crc = _crc_step(crc, view, workers)
+        if release is not None:  # unmap what is done (and let a digest riding on the reads take it)
+            release(offset, length)
     return crc
 
 

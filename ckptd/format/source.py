@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ckptd.errors import CkptdError, TruncatedError
+
+if TYPE_CHECKING:
+    from ckptd.format.digest import StreamDigest
 
 
 class ByteSource(Protocol):
@@ -33,8 +36,9 @@ class ByteSource(Protocol):
 class MmapSource:
     """A plain file mapped read-only. Pages are loaded lazily by the kernel: memory stays flat."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], digest: "StreamDigest | None" = None) -> None:
         self.path = os.fspath(path)
+        self.digest = digest  # fed from released ranges: the verification's reads also hash the file
         try:
             self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
@@ -57,12 +61,27 @@ class MmapSource:
         The pages stay in the page cache; this only unmaps them from this process (MADV_DONTNEED
         on a read-only file mapping never loses data).
         """
-        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if self._mm is None:
             return
-        start = offset - offset % mmap.PAGESIZE
+        spans = [(offset, length)] if self.digest is None else self.digest.consume(self._buf, offset, length)
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        for off, n in spans:
+            start = off - off % mmap.PAGESIZE
+            end = min(off + n, self.size)
+            if end > start:
+                self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Ask the kernel to start reading ``[offset, offset+length)`` now (a full scan calls it
+        one chunk ahead). Page faults on a mapping read ahead only a little around the faulting
+        page; on a cold file that made a scan 1.5-2.5x slower than ``cat`` (bench/verify_cold.py)."""
+        if self._mm is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        start = max(0, offset - offset % mmap.PAGESIZE)
         end = min(offset + length, self.size)
         if end > start:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            self._mm.madvise(mmap.MADV_WILLNEED, start, end - start)
 
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:

@@ -24,6 +24,7 @@ from ckptd.errors import ChecksumMismatchError, CkptdError, CorruptError
 from ckptd.format import crypto
 from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
+from ckptd.format.digest import StreamDigest
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.limits import DEFAULT_LIMITS, DEFAULT_STRATEGY_LIMITS, MAX_PROBLEMS, FormatLimits, StrategyLimits
 from ckptd.format.strategy import load_strategy
@@ -178,6 +179,7 @@ def verify_file(
     inspect: Callable[[CheckpointFile], object] | None = None,
     index_cache: IndexCache | None = None,
     limits: FormatLimits = DEFAULT_LIMITS,
+    digest: StreamDigest | None = None,
 ) -> FileReport:
     """Check a file completely; never raises for bad file content (it becomes a problem).
 
@@ -187,12 +189,13 @@ def verify_file(
     ``inspect`` runs on the open file once it checked out clean; its result is ``report.inspected``
     (callers that need something from the content need not open the file again).
     ``limits`` bound indexing (a file beyond them gets one ``limit_exceeded`` problem) and the
-    problems listed.
+    problems listed. ``digest`` is fed the file's bytes as the verification reads them (one pass
+    over the disk for digest and verification); call its ``finish`` afterwards for the value.
     """
     report = FileReport(path=os.fspath(path), max_problems=limits.max_problems)
     try:
         report.size = os.path.getsize(report.path)
-        ckpt = open_checkpoint(report.path, key, workers=workers, index_cache=index_cache, limits=limits)
+        ckpt = open_checkpoint(report.path, key, workers=workers, index_cache=index_cache, limits=limits, digest=digest)
     except CkptdError as err:
         report.add(err)
         return report
