@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 bench-verify: $(STAMP)
 	$(PY) bench/verify_read.py
