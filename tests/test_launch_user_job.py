@@ -310,10 +310,21 @@ def elastic_launch(serve: Serve, out: Path, world: int, *launch_args: str) -> tu
     return proc.returncode, log or proc.stderr, got
 
 
-def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms):
+def TwoParams(ms):  # noqa: N802 -- a Cell class built on demand: the module imports no MindSpore
+    class Net(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(np.zeros(FULL_W, np.float32)), name="w")
+            self.b = ms.Parameter(ms.Tensor(np.zeros(3, np.float32)), name="b")
+
+    return Net()
+
+
+def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeypatch):
     """A tp=2 save (real ``mindspore.save_checkpoint`` shards + strategy file) relaunched with
     ``--layout``: at tp=1 (another world size) and at tp=1,dp=2 (same world, another split) the job gets
-    ckptd's re-sharded copy -- its shards, its directory -- and the full tensors; at tp=2,dp=1 the
+    ckptd's re-sharded copy -- its shards, its directory -- and the full tensors (which the callback's
+    ``restore()`` loads per rank); at tp=2,dp=1 the
     saved shards as they are; a second tp=1 launch reuses the copy; without ``--layout`` a step of
     another world size is refused."""
     serve = Serve(tmp_path / "ckptd", world_size=None)
@@ -370,6 +381,16 @@ def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms):
         assert "another layout" in log and "event=convert_done" in log
         other = check_copy(got, 2)
         assert other["strategy_hash"] == layout_hash(1, 2) and other["converted_from_world_size"] == 2
+        # and the callback's restore() loads each rank's own file of the copy
+        from ckptd.integrations.mindspore_callback import CkptdCallback
+
+        for rank in range(2):
+            monkeypatch.setenv("RANK_ID", str(rank))
+            net = TwoParams(ms)
+            cb = CkptdCallback(heartbeat_dir=None, ckptd_url=None)
+            assert cb.restore(None, net, resume_file=got["resume_file"]) == 0
+            assert cb.resumed_from == other["shards"][rank]["path"] and cb.resume_step == 6
+            np.testing.assert_array_equal(net.w.asnumpy(), full["w"])
 
         # the layout it was saved in: the saved shards, no conversion
         rc, log, got = elastic_launch(serve, tmp_path / "tp2", 2, "--layout", "tp=2,dp=1")
