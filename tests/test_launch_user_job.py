@@ -324,9 +324,9 @@ def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeyp
     """A tp=2 save (real ``mindspore.save_checkpoint`` shards + strategy file) relaunched with
     ``--layout``: at tp=1 (another world size) and at tp=1,dp=2 (same world, another split) the job gets
     ckptd's re-sharded copy -- its shards, its directory -- and the full tensors (which the callback's
-    ``restore()`` loads per rank); at tp=2,dp=1 the
-    saved shards as they are; a second tp=1 launch reuses the copy; without ``--layout`` a step of
-    another world size is refused."""
+    ``restore()`` loads per rank); at tp=2,dp=1 the saved shards as they are; a second tp=1 launch
+    reuses the copy; without ``--layout`` a step of another world size is refused; with the run's
+    strategy file overwritten since the save, ckptd derives the target from the one it catalogued."""
     serve = Serve(tmp_path / "ckptd", world_size=None)
     root = serve.root
     write_tp_strategy(root / "ejob")
@@ -402,6 +402,18 @@ def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeyp
         assert rc == 2 and got is None, log
         assert "event=convert_failed" in log and "saved with world size 2, the job has 1" in log
         assert "--layout tp=..,dp=.." in log and "event=started" not in log
+
+        # the run's strategy file overwritten since (a job restarted in another layout writes its own):
+        # the launcher cannot derive the target from it, ckptd does from the content it catalogued for
+        # step 6 -- and reuses its intact copy
+        (root / "ejob" / "strategy.ckpt").unlink()
+        write_tp_strategy(root / "ejob", tp=1)
+        rc, log, got = elastic_launch(serve, tmp_path / "changed", 1, "--layout", "tp=1,dp=1")
+        assert rc == 0, log
+        assert re.search(r"event=convert_requested step=6 from_world=2 to_world=1 layout=tp=1,dp=1 reason=.*"
+                         r"strategy.ckpt has changed since step 6 was saved", log), log
+        assert "event=convert_done step=6" in log
+        assert check_copy(got, 1)["shards"] == first["shards"]
     finally:
         serve.stop()
 

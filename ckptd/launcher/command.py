@@ -135,11 +135,11 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
             refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
                                              "a copy ckptd re-shards for it")
             return answer
-        target = elastic.target_hash(answer, spec.layout)
+        target = elastic.conversion_target(answer, spec.layout)
         if target is None:
             return answer
-        return elastic.resume_converted(url, spec.run_name, spec.layout, target, answer, spec.convert_timeout,
-                                        lambda **f: log(attempt=attempt, **f))
+        return elastic.resume_converted(url, spec.run_name, spec.layout, target.hash, answer, spec.convert_timeout,
+                                        lambda **f: log(attempt=attempt, **f), target.why)
 
     return ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
 

@@ -9,7 +9,7 @@ layout than the relaunched job:
 * the same world size in another layout (tp=2,dp=2 -> tp=4,dp=1): ckptd's oracle compares world
   sizes only, so the launcher compares strategies -- the trainer with the hash of the strategy it
   will write, ``ckptd launch`` with the strategy ckptd's ``--to-layout`` rule derives from the saved
-  one for the declared layout (:func:`target_hash`).
+  one for the declared layout (:func:`conversion_target`).
 
 Either way the launcher uses a converted copy whose strategy hash is exactly the job's -- the
 oracle's, or one listed by ``GET /v1/runs/{run}/conversions`` -- or has ckptd make one
@@ -58,13 +58,24 @@ def parse_layout(text: str) -> Layout:
     return Layout(spec["tp"], spec["dp"], spec.get("pp"))
 
 
-def target_hash(answer: ResumeAnswer, layout: Layout) -> str | None:
-    """The strategy hash the answered step must be re-sharded to for a job declaring ``layout``, or
-    None when the step is already in that layout (or is nothing ckptd converts: no step, or a
-    Checkpoint 2.0 iteration, which MindFormers re-shards itself).
+@dataclass(frozen=True)
+class Target:
+    """What the answered step must be re-sharded to for the job's declared layout."""
+    #: the copy's strategy hash; None when only ckptd can tell (see :func:`conversion_target`)
+    hash: str | None
+    why: str
+
+
+def conversion_target(answer: ResumeAnswer, layout: Layout) -> Target | None:
+    """What the answered step must be re-sharded to for a job declaring ``layout``, or None when the
+    step is already in that layout (or is nothing ckptd converts: no step, or a Checkpoint 2.0
+    iteration, which MindFormers re-shards itself).
 
     The target is what ckptd's conversion of ``to_layout=<layout>`` derives from the saved strategy
-    (:func:`ckptd.convert.derive_strategy`), so its hash is the one ckptd records for the copy."""
+    (:func:`ckptd.convert.derive_strategy`), so its hash is the one ckptd records for the copy. The
+    saved strategy is read from the answer's ``strategy_file``; a job restarted in another layout may
+    have overwritten that file since, and then only ckptd (which keeps the content each step was
+    saved with) can derive the target: ``Target(None, ...)``, the conversion is requested as is."""
     body = answer.body or {}
     if answer.step is None or body.get("world_size") is None:
         return None
@@ -72,6 +83,8 @@ def target_hash(answer: ResumeAnswer, layout: Layout) -> str | None:
     from ckptd.errors import CkptdError
     from ckptd.format.strategy import load_strategy
 
+    from_world = answer.saved_world or layout.world
+    other_world = f"newest restorable step was saved with world size {from_world}"
     path = body.get("strategy_file")
     if not path:
         if answer.saved_world is None:
@@ -81,16 +94,25 @@ def target_hash(answer: ResumeAnswer, layout: Layout) -> str | None:
                               f"strategy file in the run directory, or launch with world size {answer.saved_world})")
     try:
         saved = load_strategy(path)
-        if body.get("strategy_hash") and saved.content_hash() != body["strategy_hash"]:
-            raise ConversionError(f"{path} is not the strategy step {answer.step} was saved with any more (its hash "
-                                  f"changed): convert the step with ckptd convert --src-strategy and resume from that")
+    except (CkptdError, OSError):
+        saved = None
+    if saved is None or (body.get("strategy_hash") and saved.content_hash() != body["strategy_hash"]):
+        changed = f"{path} has changed since step {answer.step} was saved"
+        return Target(None, f"{other_world}; {changed}, so ckptd derives the target from the strategy it catalogued"
+                      if answer.saved_world else
+                      f"{changed}: its layout cannot be compared here, so ckptd re-shards it from the strategy it "
+                      f"catalogued (a copy it already has is reused)")
+    try:
         target = derive_strategy(saved, layout.tp, layout.dp, layout.pp)
     except CkptdError as err:
         raise ConversionError(f"step {answer.step} cannot be re-sharded for the declared layout {layout}: {err.message}"
                               f" ({err.hint or 'convert it with ckptd convert --to-strategy'})") from None
     if answer.saved_world is None and same_placement(saved, target):
         return None
-    return target.content_hash()
+    h = target.content_hash()
+    return Target(h, other_world if answer.saved_world else
+                  f"newest restorable step was saved in another layout (strategy {short(body.get('strategy_hash'))}, "
+                  f"this job's {short(h)})")
 
 
 def in_other_layout(answer: ResumeAnswer, target_hash: str | None) -> bool:
@@ -163,33 +185,37 @@ def listed_copy(conversion: dict, answer: ResumeAnswer, world: int, target_hash:
                       f"re-sharded copy (conversion {conversion.get('id')})")
 
 
-def resume_converted(url: str, run: str, layout: Layout, target_hash: str, answer: ResumeAnswer,
-                     timeout: float, log: Callable[..., None]) -> ResumeAnswer:
+def resume_converted(url: str, run: str, layout: Layout, target_hash: str | None, answer: ResumeAnswer,
+                     timeout: float, log: Callable[..., None], why: str | None = None) -> ResumeAnswer:
     """The resume answer for ``answer``'s step (asked with ``?world_size=`` this job's) re-sharded for
-    this job: a ready copy, or a new one."""
+    this job: a ready copy, or a new one. ``target_hash`` None: the copy's strategy is whatever ckptd
+    derives for ``layout`` (nothing to pick a ready copy by: ckptd reuses an intact one itself)."""
     world = layout.world
     from_world = answer.saved_world or world
-    ready = oracle_copy(answer, world, target_hash)
-    if ready is None:
-        ready = next((c for c in (listed_copy(row, answer, world, target_hash) for row in list_conversions(url, run))
-                      if c is not None), None)
-    if ready is not None:
-        log(event="convert_existing", step=answer.step, from_world=from_world, to_world=world, layout=layout,
-            reason="ckptd already has this step re-sharded for the job's layout")
-        return ready
-    saved_hash = (answer.body or {}).get("strategy_hash")
-    why = (f"newest restorable step was saved with world size {from_world}" if from_world != world else
-           f"newest restorable step was saved in another layout (strategy {short(saved_hash)}, "
-           f"this job's {short(target_hash)})")
+    if target_hash is not None:
+        ready = oracle_copy(answer, world, target_hash)
+        if ready is None:
+            ready = next((c for c in (listed_copy(row, answer, world, target_hash)
+                                      for row in list_conversions(url, run)) if c is not None), None)
+        if ready is not None:
+            log(event="convert_existing", step=answer.step, from_world=from_world, to_world=world, layout=layout,
+                reason="ckptd already has this step re-sharded for the job's layout")
+            return ready
+    if why is None:
+        saved_hash = (answer.body or {}).get("strategy_hash")
+        why = (f"newest restorable step was saved with world size {from_world}" if from_world != world else
+               f"newest restorable step was saved in another layout (strategy {short(saved_hash)}, "
+               f"this job's {short(target_hash)})")
     log(event="convert_requested", step=answer.step, from_world=from_world, to_world=world, layout=layout, reason=why)
     t0 = time.monotonic()
     job_id = request_conversion(url, run, name_step(answer), layout.tp, layout.dp, pp=layout.pp)
     job = wait_for_job(url, job_id, timeout)
     result = job.get("result") if isinstance(job.get("result"), dict) else {}
-    ready = listed_copy(result, answer, world, target_hash)
+    want = target_hash if target_hash is not None else result.get("target_strategy_hash")
+    ready = listed_copy(result, answer, world, want) if want else None
     if ready is None:
         raise ConversionError(f"conversion job {job_id} of step {answer.step} finished, but its output is not a "
-                              f"{world}-rank copy with this job's strategy {short(target_hash)} "
+                              f"{world}-rank copy with this job's strategy {short(want)} "
                               f"(got {short(result.get('target_strategy_hash'))} in {result.get('out_dir')})")
     log(event="convert_done", step=answer.step, from_world=from_world, to_world=world, job=job_id,
         waited=f"{time.monotonic() - t0:.1f}s", out=result.get("out_dir"))
