@@ -337,6 +337,7 @@ def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeyp
 
     def layout_hash(tp: int, dp: int) -> str:
         return derive_strategy(src, tp, dp).content_hash()
+
     try:
         wait_for(serve.up, timeout=60, interval=0.2, what="ckptd serve to come up")
         wait_for(lambda: httpx.get(f"{serve.url}/v1/runs/ejob/resume").status_code == 200, timeout=60, interval=0.2,
@@ -384,6 +385,8 @@ def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeyp
         # and the callback's restore() loads each rank's own file of the copy
         from ckptd.integrations.mindspore_callback import CkptdCallback
 
+        for var in ("CKPTD_HEARTBEAT_DIR", "CKPTD_URL", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE"):
+            monkeypatch.delenv(var, raising=False)  # this process is not a job under a launcher
         for rank in range(2):
             monkeypatch.setenv("RANK_ID", str(rank))
             net = TwoParams(ms)
