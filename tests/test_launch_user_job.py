@@ -24,13 +24,16 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
+from ckptd.convert.layouts import derive_strategy
+from ckptd.format.strategy import load_strategy
 from ckptd.launcher import template
 from ckptd.launcher.command import world_from_command
 from ckptd.launcher.supervise import free_port
 from tests import trainer_helpers as th
-from tests.daemon_helpers import query, wait_for
+from tests.daemon_helpers import FULL_W, query, rank_tensors, save_shard, wait_for, write_tp_strategy
 
 JOB = os.path.join(th.REPO, "tests", "fixtures", "ms_user_job.py")
 STEPS_PER_EPOCH, EPOCHS = 6, 3
@@ -91,15 +94,16 @@ def attempt_at(run_dir: Path, rank: int, attempt: int, step: int) -> dict | None
 
 
 class Serve:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, world_size: str | None = "2") -> None:
         self.root = base / "root"
         self.root.mkdir(parents=True)
         self.url = f"http://127.0.0.1:{free_port()}"
         self.db = db = f"sqlite:///{base / 'catalog.db'}"
         subprocess.run([sys.executable, "-m", "ckptd", "db", "upgrade", "--db", db], cwd=th.REPO, env=th.env(),
                        check=True, capture_output=True)
-        # data parallel without a strategy file: ckptd learns the world size from here
-        e = dict(th.env(), CKPTD_WORLD_SIZE="2", CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1")
+        e = dict(th.env(), CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1")
+        if world_size is not None:  # data parallel without a strategy file: ckptd learns the world size from here
+            e["CKPTD_WORLD_SIZE"] = world_size
         self.log = open(base / "ckptd.log", "wb")  # noqa: SIM115 -- for the server's lifetime
         self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(self.root), "--port",
                                       self.url.rsplit(":", 1)[1], "--db", db], cwd=th.REPO, env=e,
@@ -208,7 +212,7 @@ hb = os.environ["CKPTD_HEARTBEAT_DIR"]
 with open(os.path.join(os.environ["OUT"], "argv.json"), "w") as fh:
     json.dump({"argv": sys.argv[1:], "resume_file": os.environ.get("CKPTD_RESUME_FILE"),
                "step": os.environ.get("RESUME_STEP")}, fh)
-for r in range(2):
+for r in range(int(os.environ.get("FAKE_RANKS", "2"))):
     for kind, doc in (("json", {"pid": os.getpid(), "rank": r, "step": 0, "phase": "finishing", "time": time.time()}),
                       ("exit", {"code": 0, "step": 0})):
         with open(os.path.join(hb, f"rank_{r}.{kind}"), "w") as fh:
@@ -287,6 +291,148 @@ def test_a_missing_command_is_refused(tmp_path):
                            "--", "no-such-msrun", "x.py"], cwd=th.REPO, env=th.env(), capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 2 and "command not found or not executable: 'no-such-msrun'" in proc.stderr
+
+
+def elastic_launch(serve: Serve, out: Path, world: int, *launch_args: str) -> tuple[int, str, dict | None]:
+    """``ckptd launch`` of FAKE_JOB (``world`` ranks) against ``serve``: (exit code, its launch: lines, what
+    the job recorded -- None if it never started)."""
+    out.mkdir()
+    job = out / "job.py"
+    job.write_text(FAKE_JOB)
+    cmd = [sys.executable, "-m", "ckptd", "launch", "--run-dir", str(serve.root / "ejob"), "--world", str(world),
+           "--ckptd-url", serve.url, "--settle-timeout", "5", "--exit-grace", "0", "--max-restarts", "0",
+           "--resume-args", "--ckpt-dir {checkpoint_dir} --resume-json {resume_json}", *launch_args,
+           "--", sys.executable, str(job)]
+    proc = subprocess.run(cmd, cwd=th.REPO, env=dict(th.env(), OUT=str(out), FAKE_RANKS=str(world)),
+                          capture_output=True, text=True, timeout=120, check=False)
+    log = "\n".join(l for l in proc.stderr.splitlines() if l.startswith("launch:"))
+    got = json.loads((out / "argv.json").read_text()) if (out / "argv.json").exists() else None
+    return proc.returncode, log or proc.stderr, got
+
+
+def TwoParams(ms):  # noqa: N802 -- a Cell class built on demand: the module imports no MindSpore
+    class Net(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(np.zeros(FULL_W, np.float32)), name="w")
+            self.b = ms.Parameter(ms.Tensor(np.zeros(3, np.float32)), name="b")
+
+    return Net()
+
+
+def test_elastic_restart_resumes_from_ckptd_resharded_copy(tmp_path, ms, monkeypatch):
+    """A tp=2 save (real ``mindspore.save_checkpoint`` shards + strategy file) relaunched with
+    ``--layout``: at tp=1 (another world size) and at tp=1,dp=2 (same world, another split) the job gets
+    ckptd's re-sharded copy -- its shards, its directory -- and the full tensors (which the callback's
+    ``restore()`` loads per rank); at tp=2,dp=1 the saved shards as they are; a second tp=1 launch
+    reuses the copy; without ``--layout`` a step of another world size is refused; with the run's
+    strategy file overwritten since the save, ckptd derives the target from the one it catalogued."""
+    serve = Serve(tmp_path / "ckptd", world_size=None)
+    root = serve.root
+    write_tp_strategy(root / "ejob")
+    saved = [save_shard(ms, root, "ejob", r, 6) for r in range(2)]
+    full = {"w": np.concatenate([rank_tensors(r, 6)["w"] for r in range(2)]), "b": rank_tensors(0, 6)["b"]}
+    assert full["w"].shape == FULL_W
+    src = load_strategy(root / "ejob" / "strategy.ckpt")
+
+    def layout_hash(tp: int, dp: int) -> str:
+        return derive_strategy(src, tp, dp).content_hash()
+
+    try:
+        wait_for(serve.up, timeout=60, interval=0.2, what="ckptd serve to come up")
+        wait_for(lambda: httpx.get(f"{serve.url}/v1/runs/ejob/resume").status_code == 200, timeout=60, interval=0.2,
+                 what="ckptd to verify step 6")
+
+        def check_copy(got: dict, world: int) -> dict:
+            answer = json.loads(Path(got["resume_file"]).read_text())
+            assert [s["rank"] for s in answer["shards"]] == list(range(world))
+            copy_dir = os.path.dirname(os.path.dirname(answer["shards"][0]["path"]))
+            assert os.path.dirname(copy_dir) == str(root / "ejob" / "converted"), answer["shards"]
+            assert got["argv"] == ["--ckpt-dir", copy_dir, "--resume-json", got["resume_file"]]
+            assert answer["world_size"] == world and answer["converted_from_world_size"] == 2
+            for s in answer["shards"]:  # tp=1 on every rank: each holds the concatenation of the tp=2 halves
+                assert s["path"].startswith(copy_dir + os.sep)
+                loaded = ms.load_checkpoint(s["path"])
+                for name, want in full.items():
+                    np.testing.assert_array_equal(loaded[name].asnumpy(), want)
+            return answer
+
+        # another world size: 2 ranks (tp=2) -> 1
+        rc, log, got = elastic_launch(serve, tmp_path / "tp1", 1, "--layout", "tp=1,dp=1")
+        assert rc == 0, log
+        assert re.search(r"attempt=0 event=convert_requested step=6 from_world=2 to_world=1 layout=tp=1,dp=1 ", log), log
+        assert re.search(r"attempt=0 event=convert_done step=6 from_world=2 to_world=1 job=\d+ ", log), log
+        assert "attempt=0 event=resume step=6 from_world=2 to_world=1 " in log and "event=finished" in log
+        first = check_copy(got, 1)
+        # ckptd made it for the declared layout: its --to-layout derivation of the saved strategy
+        convs = httpx.get(f"{serve.url}/v1/runs/ejob/conversions").json()
+        assert [(c["state"], c["source_step"], c["target_strategy_hash"], c["out_dir"]) for c in convs] == [
+            ("done", 6, layout_hash(1, 1), os.path.dirname(os.path.dirname(first["shards"][0]["path"])))]
+        assert first["strategy_hash"] == layout_hash(1, 1)
+
+        # the same again: ckptd's copy is ready, nothing is converted twice
+        rc, log, got = elastic_launch(serve, tmp_path / "tp1-again", 1, "--layout", "tp=1,dp=1")
+        assert rc == 0 and "event=convert_existing step=6" in log and "convert_requested" not in log, log
+        assert check_copy(got, 1)["shards"] == first["shards"]
+
+        # the same world size, another split: ckptd's oracle sees nothing to convert, the strategies differ
+        rc, log, got = elastic_launch(serve, tmp_path / "tp1dp2", 2, "--layout", "tp=1,dp=2")
+        assert rc == 0, log
+        assert "event=convert_requested step=6 from_world=2 to_world=2 layout=tp=1,dp=2 " in log, log
+        assert "another layout" in log and "event=convert_done" in log
+        other = check_copy(got, 2)
+        assert other["strategy_hash"] == layout_hash(1, 2) and other["converted_from_world_size"] == 2
+        # and the callback's restore() loads each rank's own file of the copy
+        from ckptd.integrations.mindspore_callback import CkptdCallback
+
+        for var in ("CKPTD_HEARTBEAT_DIR", "CKPTD_URL", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE"):
+            monkeypatch.delenv(var, raising=False)  # this process is not a job under a launcher
+        for rank in range(2):
+            monkeypatch.setenv("RANK_ID", str(rank))
+            net = TwoParams(ms)
+            cb = CkptdCallback(heartbeat_dir=None, ckptd_url=None)
+            assert cb.restore(None, net, resume_file=got["resume_file"]) == 0
+            assert cb.resumed_from == other["shards"][rank]["path"] and cb.resume_step == 6
+            np.testing.assert_array_equal(net.w.asnumpy(), full["w"])
+
+        # the layout it was saved in: the saved shards, no conversion
+        rc, log, got = elastic_launch(serve, tmp_path / "tp2", 2, "--layout", "tp=2,dp=1")
+        assert rc == 0 and "convert" not in log, log
+        assert [s["path"] for s in json.loads(Path(got["resume_file"]).read_text())["shards"]] == list(map(str, saved))
+
+        # no declared layout: another world size stops the launcher with the way out, the job never starts
+        rc, log, got = elastic_launch(serve, tmp_path / "undeclared", 1)
+        assert rc == 2 and got is None, log
+        assert "event=convert_failed" in log and "saved with world size 2, the job has 1" in log
+        assert "--layout tp=..,dp=.." in log and "event=started" not in log
+
+        # the run's strategy file overwritten since (a job restarted in another layout writes its own):
+        # the launcher cannot derive the target from it, ckptd does from the content it catalogued for
+        # step 6 -- and reuses its intact copy
+        (root / "ejob" / "strategy.ckpt").unlink()
+        write_tp_strategy(root / "ejob", tp=1)
+        rc, log, got = elastic_launch(serve, tmp_path / "changed", 1, "--layout", "tp=1,dp=1")
+        assert rc == 0, log
+        assert re.search(r"event=convert_requested step=6 from_world=2 to_world=1 layout=tp=1,dp=1 reason=.*"
+                         r"strategy.ckpt has changed since step 6 was saved", log), log
+        assert "event=convert_done step=6" in log
+        assert check_copy(got, 1)["shards"] == first["shards"]
+    finally:
+        serve.stop()
+
+
+@pytest.mark.parametrize("layout, why", [
+    ("tp=2,dq=1", "bad --layout 'tp=2,dq=1': bad --layout item 'dq=1'"),
+    ("tp=2", "--layout needs dp=N"),
+    ("tp=2,dp=2", "--layout tp=2,dp=2 is 4 ranks, the job has 2"),
+])
+def test_a_bad_layout_starts_nothing(tmp_path, layout, why):
+    marker = tmp_path / "started"
+    proc = subprocess.run([sys.executable, "-m", "ckptd", "launch", "--run-dir", str(tmp_path / "run"), "--world", "2",
+                           "--layout", layout, "--", "touch", str(marker)],
+                          cwd=th.REPO, env=th.env(), capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+    assert not marker.exists() and not (tmp_path / "run").exists()
 
 
 def test_world_size_from_msrun():

@@ -1,29 +1,22 @@
-"""Elastic restart: resume a job whose layout differs from the checkpoint's, from ckptd's re-sharded copy.
-
-Two ways the newest restorable step can be in another layout than the relaunched job:
-
-* another world size (a node lost, nodes added): ckptd's resume answer says so (``world_size``) and,
-  asked with ``?world_size=W``, points at a ready converted copy for that world size;
-* the same world size in another layout (tp=2,dp=2 -> tp=4,dp=1): ckptd's oracle compares world
-  sizes only, so the launcher compares the answer's ``strategy_hash`` with the hash of the strategy
-  this job's trainer will write (same model arguments, same rule as :func:`trainer.checkpoint.build_strategy`;
-  ckptd's ``--to-layout`` derivation yields the identical strategy, so the hashes are comparable).
-
-Either way the launcher uses a converted copy whose strategy hash is exactly this job's -- the
-oracle's, or one listed by ``GET /v1/runs/{run}/conversions`` -- or has ckptd make one
-(``POST /conversions`` with ``tp=..,dp=..``, admin token) and waits for it (bounded). It never hands
-the trainer shards of another layout, and never starts fresh over them: failures raise
-ConversionError.
-"""
+"""Elastic restart for ckptd's trainer: the shared machinery is :mod:`ckptd.launcher.elastic` (also
+``ckptd launch --layout``'s); what is the trainer's own is the target strategy -- the hash of the
+strategy file the trainer will write for its tp/dp (same model arguments, same rule as
+:func:`trainer.checkpoint.build_strategy`; ckptd's ``--to-layout`` derivation yields the identical
+strategy, so the hashes are comparable)."""
 
 from __future__ import annotations
 
-import glob
-import os
-import time
 from collections.abc import Callable
 
-from trainer.oracle import ConversionError, ResumeAnswer, list_conversions, request_conversion, wait_for_job
+from ckptd.launcher import elastic
+from ckptd.launcher.elastic import (  # noqa: F401 -- re-exported: trainer.launch and the tests import them from here
+    in_other_layout,
+    listed_copy,
+    name_step,
+    oracle_copy,
+    short,
+)
+from ckptd.launcher.oracle import ResumeAnswer
 
 
 def job_strategy_hash(tp: int, dp: int, train_args: list[str]) -> str:
@@ -41,103 +34,7 @@ def job_strategy_hash(tp: int, dp: int, train_args: list[str]) -> str:
     return build_strategy(param_specs(cfg), Topology(tp, dp, 0)).content_hash()
 
 
-def in_other_layout(answer: ResumeAnswer, target_hash: str | None) -> bool:
-    """The answered step was saved with another world size, or with another strategy than this job's."""
-    if answer.step is None:
-        return False
-    if answer.saved_world is not None:
-        return True
-    saved_hash = (answer.body or {}).get("strategy_hash")
-    return bool(target_hash and saved_hash and saved_hash != target_hash)
-
-
-def name_step(answer: ResumeAnswer) -> int:
-    """The step as ckptd's step endpoints and conversions name it (the file name's step)."""
-    named = (answer.body or {}).get("name_step")
-    return int(named) if named is not None else int(answer.step or 0)
-
-
-def short(h: str | None) -> str:
-    return (h or "?").split(":")[-1][:12]
-
-
-def _converted(answer: ResumeAnswer, world: int, target_hash: str, shards: list[dict], strategy_file: str | None,
-               how: str) -> ResumeAnswer:
-    """The resume answer pointing at a converted copy (ranks checked: exactly 0..world-1)."""
-    try:
-        ranks = sorted(int(s["rank"]) for s in shards)
-    except (KeyError, TypeError, ValueError) as err:
-        raise ConversionError(f"ckptd's converted copy of step {answer.step} is malformed ({err!r})") from None
-    if ranks != list(range(world)):
-        raise ConversionError(f"ckptd's converted copy of step {answer.step} covers ranks {ranks}, the job has {world}")
-    assert answer.body is not None
-    from_world = answer.saved_world or world
-    body = dict(answer.body, shards=sorted(shards, key=lambda s: int(s["rank"])), strategy_file=strategy_file,
-                world_size=world, strategy_hash=target_hash, converted_from_world_size=from_world,
-                converted_from_strategy_hash=answer.body.get("strategy_hash"))
-    why = (f"ckptd: {how} of step {answer.step} (world size {from_world} -> {world}, "
-           f"strategy {short(answer.body.get('strategy_hash'))} -> {short(target_hash)})")
-    return ResumeAnswer(answer.step, body, why, from_world, answer.conversion)
-
-
-def oracle_copy(answer: ResumeAnswer, world: int, target_hash: str) -> ResumeAnswer | None:
-    """The oracle's ready copy (``conversion.existing``), if it is in exactly this job's layout: ckptd
-    picks it by world size only, and tp=1,dp=2 and tp=2,dp=1 both have 2 ranks."""
-    existing = (answer.conversion or {}).get("existing")
-    if not isinstance(existing, dict) or existing.get("strategy_hash") != target_hash:
-        return None
-    return _converted(answer, world, target_hash, existing.get("shards") or [], existing.get("strategy_file"),
-                      "re-sharded copy")
-
-
-def listed_copy(conversion: dict, answer: ResumeAnswer, world: int, target_hash: str) -> ResumeAnswer | None:
-    """A finished conversion (``GET /conversions`` row or a conversion job's result) of the answered step
-    into this job's layout, read from its output directory (``<out>/rank_<r>/<name>.ckpt``, one file per
-    rank: the converter's documented output), or None if it is not that or its files are gone."""
-    if (conversion.get("state") != "done" or conversion.get("source_step") != name_step(answer)
-            or conversion.get("target_strategy_hash") != target_hash or not conversion.get("out_dir")):
-        return None
-    out = str(conversion["out_dir"])
-    shards = []
-    for rank in range(world):
-        files = glob.glob(os.path.join(out, f"rank_{rank}", "*.ckpt"))
-        if len(files) != 1:
-            return None  # deleted (retention) or not a complete conversion: ask for a new one
-        shards.append({"rank": rank, "path": files[0]})
-    strategy = os.path.join(out, "strategy.ckpt")
-    return _converted(answer, world, target_hash, shards, strategy if os.path.exists(strategy) else None,
-                      f"re-sharded copy (conversion {conversion.get('id')})")
-
-
 def resume_converted(url: str, run: str, tp: int, dp: int, target_hash: str, answer: ResumeAnswer,
                      timeout: float, log: Callable[..., None]) -> ResumeAnswer:
-    """The resume answer for ``answer``'s step (asked with ``?world_size=`` this job's) re-sharded for
-    this job: a ready copy, or a new one."""
-    world = tp * dp
-    from_world = answer.saved_world or world
-    layout = f"tp={tp},dp={dp}"
-    ready = oracle_copy(answer, world, target_hash)
-    if ready is None:
-        ready = next((c for c in (listed_copy(row, answer, world, target_hash) for row in list_conversions(url, run))
-                      if c is not None), None)
-    if ready is not None:
-        log(event="convert_existing", step=answer.step, from_world=from_world, to_world=world, layout=layout,
-            reason="ckptd already has this step re-sharded for the job's layout")
-        return ready
-    saved_hash = (answer.body or {}).get("strategy_hash")
-    why = (f"newest restorable step was saved with world size {from_world}" if from_world != world else
-           f"newest restorable step was saved in another layout (strategy {short(saved_hash)}, "
-           f"this job's {short(target_hash)})")
-    log(event="convert_requested", step=answer.step, from_world=from_world, to_world=world, layout=layout, reason=why)
-    t0 = time.monotonic()
-    job_id = request_conversion(url, run, name_step(answer), tp, dp)
-    job = wait_for_job(url, job_id, timeout)
-    result = job.get("result") if isinstance(job.get("result"), dict) else {}
-    ready = listed_copy(result, answer, world, target_hash)
-    if ready is None:
-        raise ConversionError(f"conversion job {job_id} of step {answer.step} finished, but its output is not a "
-                              f"{world}-rank copy with this job's strategy {short(target_hash)} "
-                              f"(got {short(result.get('target_strategy_hash'))} in {result.get('out_dir')})")
-    log(event="convert_done", step=answer.step, from_world=from_world, to_world=world, job=job_id,
-        waited=f"{time.monotonic() - t0:.1f}s")
-    return ready
+    """:func:`ckptd.launcher.elastic.resume_converted` for the trainer's ``tp x dp``."""
+    return elastic.resume_converted(url, run, elastic.Layout(tp, dp), target_hash, answer, timeout, log)

@@ -33,6 +33,12 @@ def register(sub: Any) -> None:
     p.add_argument("--resume-preset", choices=sorted(PRESETS), help="a known --resume-args template")
     p.add_argument("--resume-env", action="append", default=[], metavar="NAME=TEMPLATE",
                    help="an environment variable set when resuming (repeatable)")
+    p.add_argument("--layout", metavar="tp=N,dp=M[,pp=K]",
+                   help="the job's parallel layout (ranks = tp*dp*pp): a step saved in another layout (another world "
+                        "size or tp/dp split) is resumed from a copy ckptd re-shards for it; without it, a step of "
+                        "another world size stops the launcher (exit 2)")
+    p.add_argument("--convert-timeout", type=float, default=300.0,
+                   help="elastic restart: wait at most this long for ckptd to re-shard a step for --layout (s)")
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
@@ -52,7 +58,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from ckptd.launcher.command import LaunchError, LaunchSpec, prepare, run
+    from ckptd.launcher.command import LaunchError, LaunchSpec, parse_layout, prepare, run
     from ckptd.launcher.supervise import Restarts, Watch, install_sigterm
 
     if args.resume_args and args.resume_preset:
@@ -60,10 +66,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
     try:
         command, run_dir, world, run_name = prepare(args.command, args.run_dir, args.world, args.run_name)
+        layout = parse_layout(args.layout, world)
         spec = LaunchSpec(
             command=command, run_dir=run_dir, world=world, run_name=run_name, ckptd_url=args.ckptd_url,
             resume_cmd=args.resume_cmd, resume_args=args.resume_args or PRESETS.get(args.resume_preset or ""),
-            resume_env=args.resume_env, fresh=args.fresh, settle_timeout=args.settle_timeout,
+            resume_env=args.resume_env, fresh=args.fresh, layout=layout, convert_timeout=args.convert_timeout,
+            settle_timeout=args.settle_timeout,
             oracle_wait=args.oracle_wait, oracle_backoff=args.oracle_backoff,
             oracle_backoff_max=args.oracle_backoff_max,
             watch=Watch(args.heartbeat_timeout, args.startup_timeout, args.exit_grace),

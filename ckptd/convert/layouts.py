@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from ckptd.convert.plan import ConvertError
-from ckptd.format.layout import TensorLayout
+from ckptd.format.layout import TensorLayout, slice_for_rank
 from ckptd.format.strategy import OpItem, ParamStrategy, Strategy
 
 _SPEC_ITEM = re.compile(r"\s*(tp|dp|pp)\s*=\s*([1-9][0-9]*)\s*")
@@ -107,3 +107,28 @@ def derive_strategy(src: Strategy, tp: int, dp: int, pp: int | None = None) -> S
     stages = sorted({e.stage for e in src.entries}) or [0]
     ops = [OpItem(f"ckptd/derived/stage{s}", s, ((dp, tp),)) for s in stages]
     return Strategy.build(entries, op_items=ops, merged=src.merged)
+
+
+def same_placement(a: Strategy, b: Strategy) -> bool:
+    """Whether ``a`` and ``b`` put every element of every parameter on the same ranks.
+
+    Content hashes are not enough to tell "already in this layout": a file MindSpore wrote for tp=2
+    has ``dev_matrix (2,)``, the derived one ``(1, 2)`` -- same placement, different hash. Full
+    shapes are not in a strategy file, so each dim is taken as a multiple of every split count of
+    either layout (the device count of both), which any real shape's slicing agrees with.
+    """
+    if (a.stages, a.stage_device_num) != (b.stages, b.stage_device_num):
+        return False
+    ea = {(e.stage, e.name): e.layout for e in a.entries}
+    eb = {(e.stage, e.name): e.layout for e in b.entries}
+    if ea.keys() != eb.keys():
+        return False
+    for key, la in ea.items():
+        lb = eb[key]
+        if la.ndim != lb.ndim or la.device_num != lb.device_num:
+            return False
+        shape = (la.device_num * lb.device_num,) * la.ndim
+        for rank in range(la.device_num):
+            if slice_for_rank(la, shape, rank) != slice_for_rank(lb, shape, rank):
+                return False
+    return True

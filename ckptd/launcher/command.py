@@ -5,6 +5,13 @@ and exit markers go -- the MindSpore callback writes them), ``CKPTD_ATTEMPT``, `
 ``CKPTD_URL`` when ckptd is the oracle, and, when resuming, ``CKPTD_RESUME_FILE`` (ckptd's whole answer
 as JSON) plus the rendered ``--resume-args`` appended to the command and ``--resume-env`` variables
 (:mod:`ckptd.launcher.template`). A fresh start gets none of the resume ones.
+
+Elastic restart (``--layout tp=..,dp=..[,pp=..]``, the layout the job will run): when the step to
+resume was saved in another layout -- another world size, or another tp/dp split of the same one --
+the job resumes from ckptd's re-sharded copy (:mod:`ckptd.launcher.elastic`): the resume file's
+``shards`` and every placeholder name the copy's files, never the saved ones. Without ``--layout`` a
+step of another world size stops the launcher (exit 2): which split the job runs is not in its
+command line, and loading shards of another layout as they are would be wrong.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 
-from ckptd.launcher import template
+from ckptd.launcher import elastic, template
 from ckptd.launcher.oracle import (
     ConversionError,
     OracleError,
@@ -41,6 +48,9 @@ class LaunchSpec:
     resume_args: str | None = None
     resume_env: list[str] = field(default_factory=list)
     fresh: bool = False
+    #: the job's declared layout: elastic restarts from a re-sharded copy (None: refuse another world size)
+    layout: elastic.Layout | None = None
+    convert_timeout: float = 300.0
     settle_timeout: float = 60.0
     oracle_wait: float = 120.0
     oracle_backoff: float = 0.5
@@ -60,6 +70,20 @@ def world_from_command(command: list[str]) -> int | None:
         if m and (m.group(1) or (i + 1 < len(command) and command[i + 1].isdigit())):
             return int(m.group(1) or command[i + 1])
     return None
+
+
+def parse_layout(text: str | None, world: int) -> elastic.Layout | None:
+    """``--layout`` checked before anything starts: parsable, and as many ranks as the job has."""
+    if text is None:
+        return None
+    try:
+        layout = elastic.parse_layout(text)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+    if layout.world != world:
+        raise LaunchError(f"--layout {layout} is {layout.world} ranks, the job has {world} (--world / msrun "
+                          f"--worker_num): declare the layout the job will run")
+    return layout
 
 
 def prepare(command: list[str], run_dir: str, world: int | None, run_name: str | None) -> tuple[list[str], str, int, str]:
@@ -82,27 +106,42 @@ def prepare(command: list[str], run_dir: str, world: int | None, run_name: str |
     return command, run_dir, world, run_name or os.path.basename(run_dir)
 
 
+def refuse_other_world(spec: LaunchSpec, answer: ResumeAnswer, way_out: str) -> None:
+    """Shards of another world size, and nothing to re-shard them with: loading them as they are would
+    be wrong, a fresh start would throw the run away -- stop and say what to do."""
+    if answer.saved_world is not None:
+        raise ConversionError(f"step {answer.step} was saved with world size {answer.saved_world}, the job has "
+                              f"{spec.world}: {way_out}, or launch with world size {answer.saved_world}")
+
+
 def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
     if spec.resume_cmd:
         answer = ask_command(spec.resume_cmd, spec.world)
-    elif spec.ckptd_url:
-        url = spec.ckptd_url
-
-        def once(timeout: float) -> ResumeAnswer:
-            check_ready(url, timeout=min(5.0, timeout))
-            if spec.settle_timeout > 0:
-                settle(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, log, attempt)
-            return ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world)
-
-        answer = ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
-    else:
+        refuse_other_world(spec, answer, "only ckptd re-shards (--ckptd-url with --layout tp=..,dp=..); "
+                                          "re-shard it first (ckptd convert)")
+        return answer
+    if not spec.ckptd_url:
         return ResumeAnswer(None, None, "no oracle configured")
-    if answer.saved_world is not None:
-        # the shards are another world size's: loading them as they are would be wrong, a fresh start
-        # would throw the run away -- stop and say what to do
-        raise ConversionError(f"step {answer.step} was saved with world size {answer.saved_world}, the job has "
-                              f"{spec.world}: re-shard it first (ckptd convert) or launch with its world size")
-    return answer
+    url = spec.ckptd_url
+
+    def once(timeout: float) -> ResumeAnswer:
+        # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
+        # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
+        check_ready(url, timeout=min(5.0, timeout))
+        if spec.settle_timeout > 0:
+            settle(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, log, attempt)
+        answer = ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world)
+        if spec.layout is None:
+            refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
+                                             "a copy ckptd re-shards for it")
+            return answer
+        target = elastic.conversion_target(answer, spec.layout)
+        if target is None:
+            return answer
+        return elastic.resume_converted(url, spec.run_name, spec.layout, target.hash, answer, spec.convert_timeout,
+                                        lambda **f: log(attempt=attempt, **f), target.why)
+
+    return ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
 
 
 def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: ResumeAnswer | None,
@@ -121,7 +160,8 @@ def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: Resum
         env.update(extra_env)
         env["CKPTD_RESUME_FILE"] = resume_file
     job = Job(cmd, env, spec.world, hb_dir, log_dir, spec.watch)
-    return job, {"world": spec.world, "pid": job.proc.pid, "logs": log_dir}
+    fields = {"world": spec.world, "layout": spec.layout} if spec.layout else {"world": spec.world}
+    return job, {**fields, "pid": job.proc.pid, "logs": log_dir}
 
 
 def run(spec: LaunchSpec) -> int:

@@ -371,10 +371,13 @@ def _call(url: str, method: str, body: dict | None, timeout: float) -> object:
         raise ConversionUnavailable(f"ckptd unreachable ({method} {url}): {_reason(err)}") from None
 
 
-def request_conversion(url: str, run: str, step: int, tp: int, dp: int, timeout: float = 30.0) -> int:
-    """``POST /v1/runs/{run}/conversions`` (admin scope): returns the background job's id."""
-    doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST",
-                {"step": int(step), "to_layout": f"tp={int(tp)},dp={int(dp)}"}, timeout)
+def request_conversion(url: str, run: str, step: int, tp: int, dp: int, timeout: float = 30.0,
+                       pp: int | None = None) -> int:
+    """``POST /v1/runs/{run}/conversions`` (admin scope) to ``tp=..,dp=..[,pp=..]``: returns the
+    background job's id."""
+    layout = f"tp={int(tp)},dp={int(dp)}" + (f",pp={int(pp)}" if pp is not None else "")
+    doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST", {"step": int(step), "to_layout": layout},
+                timeout)
     try:
         return int(doc["id"])  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
