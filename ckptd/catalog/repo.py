@@ -309,13 +309,15 @@ class Verdict:
     seconds: float
 
 
-_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error", "verified_config")
+#: ``facts``: the step check's facts the verification took from the same read (or null)
+_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error", "verified_config",
+                    "facts")
 #: verdicts that say more about the configuration (key, policies) than about the file
 CONFIG_ERROR_CODES = ("key_required", "not_encrypted", "invalid_key", "wrong_key", "policy", "mode_mismatch")
 _VERDICT_FIELDS = ("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)
 _PG_ARRAY_TYPES = dict.fromkeys(_VERDICT_FIELDS, "varchar[]") | {
     "id": "integer[]", "size": "bigint[]", "mtime": "bigint[]", "inode": "bigint[]", "seq": "integer[]",
-    "global_step": "bigint[]", "error": "text[]",
+    "global_step": "bigint[]", "error": "text[]", "facts": "text[]",
 }
 
 

@@ -156,19 +156,25 @@ def shard_facts(ref: ShardRef, strategy: Strategy | None, key: bytes | None, dig
     except CkptdError as err:
         return ShardFacts(ref.rank, (f"rank {ref.rank}: {err}",), readable=False)
     with ck:
-        problems: list[str] = []
-        claimed = content_rank(ck)
-        if claimed is not None and claimed != ref.rank:
-            problems.append(f"rank {ref.rank}: the file says it was saved by rank {claimed} (shards swapped or misplaced)")
-        full: dict[str, tuple[int, ...]] = {}
-        missing: list[str] = []
-        shape_problems: list[str] = []
-        if strategy is not None and ref.rank < strategy.world_size:
-            partial = subset and redundancy_removed(ck)
-            shape_problems = _rank_shapes(ref.rank, ck, strategy, partial, full, missing)
-        digests = {n: _payload_digest(ck, n) for n in digest_names if n in ck.entries}
-        return ShardFacts(ref.rank, tuple(problems + shape_problems), content_step(ck), full, tuple(missing), digests,
-                          shapes_ok=not shape_problems)
+        return facts_of(ck, ref.rank, strategy, digest_names, subset=subset)
+
+
+def facts_of(ck: CheckpointFile, rank: int, strategy: Strategy | None, digest_names: tuple[str, ...] = (), *,
+             subset: bool = False) -> ShardFacts:
+    """:func:`shard_facts` of a file already open (the verifier's, while its bytes are in hand)."""
+    problems: list[str] = []
+    claimed = content_rank(ck)
+    if claimed is not None and claimed != rank:
+        problems.append(f"rank {rank}: the file says it was saved by rank {claimed} (shards swapped or misplaced)")
+    full: dict[str, tuple[int, ...]] = {}
+    missing: list[str] = []
+    shape_problems: list[str] = []
+    if strategy is not None and rank < strategy.world_size:
+        partial = subset and redundancy_removed(ck)
+        shape_problems = _rank_shapes(rank, ck, strategy, partial, full, missing)
+    digests = {n: _payload_digest(ck, n) for n in digest_names if n in ck.entries}
+    return ShardFacts(rank, tuple(problems + shape_problems), content_step(ck), full, tuple(missing), digests,
+                      shapes_ok=not shape_problems)
 
 
 def _rank_shapes(rank: int, ck: CheckpointFile, strategy: Strategy, partial: bool,

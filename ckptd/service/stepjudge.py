@@ -51,6 +51,21 @@ class _Row:
         return (self.id, self.rank, self.path, self.size, self.mtime_ns, self.inode)
 
 
+@dataclass(frozen=True)
+class FactsPlan:
+    """What a step's shard facts are computed against: its layout binding and the sampled
+    replica parameters (``stamp`` names both, so facts of another binding are never reused)."""
+
+    strategy: Strategy | None
+    names: tuple[str, ...]
+    subset: bool
+    stamp: str
+
+    def encode(self, facts: ShardFacts, seq: int) -> str:
+        """The ``shards.facts`` value: these facts, valid for verification ``seq`` of the shard."""
+        return json.dumps({"stamp": self.stamp, "seq": seq, "facts": facts.encode()})
+
+
 _ROW_COLUMNS = (Shard.id, Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.state,
                 Shard.verify_seq, Shard.facts)
 
@@ -72,6 +87,21 @@ class StepJudge:
             except CkptdError:
                 return None
         return self._strategies[key]
+
+    def facts_plan(self, ckpt_id: int) -> FactsPlan | None:
+        """How the verifier computes a shard's facts in its own pass over the file (each byte read
+        once: the step check then reuses them); None for steps judged otherwise (Checkpoint 2.0)."""
+        with self.sessions() as s:
+            ckpt = s.get(Checkpoint, ckpt_id)
+            if ckpt is None or _layout(s, ckpt) == runlayout.CKPT2:
+                return None
+            return self._plan(s, ckpt)
+
+    def _plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan:
+        strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
+        names = replica_names(strategy, self.settings.replica_check, self.settings.replica_sample,
+                              f"{ckpt.run_id}:{ckpt.step}:")
+        return FactsPlan(strategy, names, _subset(s, ckpt), _stamp((ckpt.strategy_id, ckpt.expected_ranks), names))
 
     # --- when ------------------------------------------------------------------------------------
 
@@ -110,16 +140,13 @@ class StepJudge:
             if _layout(s, ckpt) == runlayout.CKPT2:
                 return self._check_iteration(ckpt_id, unjudged_only)
             rows = self._rows(s, ckpt_id)
-            strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
             expected = ckpt.expected_ranks
             binding = (ckpt.strategy_id, ckpt.expected_ranks)
-            subset = _subset(s, ckpt)
             unusable = _unusable_strategy(s, ckpt) if ckpt.strategy_id is None else None
-            names = replica_names(strategy, self.settings.replica_check, self.settings.replica_sample,
-                                  f"{ckpt.run_id}:{ckpt.step}:")
+            plan = self._plan(s, ckpt)
+        strategy, names, subset, stamp = plan.strategy, plan.names, plan.subset, plan.stamp
         t0 = time.perf_counter()
         refs = [ShardRef(r.rank, r.path) for r in rows]
-        stamp = _stamp(binding, names)
         visible = {r.id for r in rows if os.path.exists(r.path)}
         computed = {r.id: self._facts(r, strategy, names, subset) for r in rows
                     if r.id in visible and _fresh(r, stamp) is None}
@@ -145,9 +172,9 @@ class StepJudge:
                     facts[r.rank] = computed[r.id]
                     if distributed:  # shared with the nodes that cannot read this file
                         s.execute(update(Shard).where(Shard.id == r.id, Shard.verify_seq == r.seq).values(
-                            facts=json.dumps({"stamp": stamp, "seq": r.seq, "facts": computed[r.id].encode()})))
-                elif distributed and verified and (known := _fresh(r, stamp)) is not None:
-                    facts[r.rank] = known
+                            facts=plan.encode(computed[r.id], r.seq)))
+                elif verified and (known := _fresh(r, stamp)) is not None:
+                    facts[r.rank] = known  # recorded by the verification that read the file (or by its node)
             if distributed and len(facts) < len(now_rows):
                 return []  # the nodes holding the other files add theirs; the last one decides
             verdict = combine(refs, facts, expected, strategy, names, subset=subset)

@@ -35,13 +35,24 @@ from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy
 from ckptd.format.verify import verify_file
 from ckptd.runlayout import sidecar_for
-from ckptd.service.stepcheck import content_step
-from ckptd.service.stepjudge import StepJudge
+from ckptd.format.checkpoint import CheckpointFile
+from ckptd.service.stepcheck import ShardFacts, content_step, facts_of
+from ckptd.service.stepjudge import FactsPlan, StepJudge
 from ckptd.settings import Settings
 from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.verifier")
 _DIGEST_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class _FactsJob:
+    """Facts to take of one shard while verifying it: its rank and the claim's sequence number
+    (the facts are valid for that verification only)."""
+
+    plan: FactsPlan
+    rank: int
+    seq: int
 
 
 def file_digest(path: str) -> str:
@@ -276,10 +287,14 @@ class Verifier:
                 if sid in asked_at and _aware(at) >= asked_at[sid]}
             seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
             nodes = dict(s.execute(select(Shard.id, Shard.node).where(Shard.id.in_(list(seqs)))).all())
+            ranks = dict(s.execute(select(Shard.id, Shard.rank).where(Shard.id.in_(list(seqs)))).all())
         skipped = {shard_id for shard_id, _, _ in shards if shard_id not in seqs}  # another live node verifies them
         shards = [sh for sh in shards if sh[0] in seqs]
+        plan = self.steps.facts_plan(ckpt_id) if shards else None
         t0 = time.perf_counter()
-        outcomes = {shard_id: self._read_shard(path, digest) for shard_id, path, digest in shards}
+        outcomes = {shard_id: self._read_shard(path, digest, _FactsJob(plan, ranks[shard_id], seqs[shard_id])
+                                               if plan is not None else None)
+                    for shard_id, path, digest in shards}
         t1 = time.perf_counter()
         paths = {shard_id: path for shard_id, path, _ in shards}
         result: dict[int, ShardState | None] = {shard_id: out.state for shard_id, out in outcomes.items()}
@@ -317,7 +332,7 @@ class Verifier:
                 self.verified_count += 1
         return result
 
-    def _read_shard(self, path: str, known_digest: str | None) -> _Outcome:
+    def _read_shard(self, path: str, known_digest: str | None, facts: _FactsJob | None = None) -> _Outcome:
         before = stat_of(path)
         if before is None:
             return _Outcome(None)
@@ -327,7 +342,7 @@ class Verifier:
             # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
             with confine.opened(str(self.settings.root), path) as name:
                 values, problems = (self._check_record(name, path) if path.endswith(".json")
-                                    else self._check_file(name, path))
+                                    else self._check_file(name, path, facts))
         except confine.ConfinementError as err:
             values, problems = {"digest": known_digest}, [(err.code, err.message)]
         except FileNotFoundError:
@@ -345,15 +360,26 @@ class Verifier:
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
         return _Outcome(before, state, values, time.perf_counter() - t0)
 
-    def _check_file(self, name: str, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
-        """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``."""
-        # one pass over the disk: the digest hashes the bytes the CRC / decryption reads anyway
+    def _check_file(self, name: str, path: str, facts: _FactsJob | None = None,
+                    ) -> tuple[dict[str, object], list[tuple[str, str]]]:
+        """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``; with
+        ``facts``, also take the step check's facts of it from the same open file."""
+        # one pass over the disk: the digest hashes the bytes the CRC / decryption reads anyway,
+        # and the step check's facts come from the index and payloads this verification opened
         digest = StreamDigest()
-        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=content_step, digest=digest)
+
+        def inspect(ck: CheckpointFile) -> tuple[int | None, ShardFacts | None]:
+            plan = facts.plan if facts is not None else None
+            found = facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset) if plan else None
+            return content_step(ck), found
+
+        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest)
         values: dict[str, object] = {"digest": digest.finish(name)}
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         if report.ok:
-            values["global_step"] = report.inspected
+            values["global_step"], found = report.inspected
+            if found is not None and facts is not None:
+                values["facts"] = facts.plan.encode(found, facts.seq)
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
         hint = read_sidecar(str(self.settings.root), path)
         if hint is not None and (hint.get("size") != os.path.getsize(name) or hint.get("xxh3_128") not in (None, values["digest"])):

@@ -1,0 +1,54 @@
+"""Step checks reuse what verification read: each shard's facts (content step, rank, slice shapes,
+replica digests) are taken from the file the verifier has open and stored with the verdict, so the
+step check of a plaintext or encrypted step does not open its files again (issue 16)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckptd.daemon import Daemon
+from ckptd.service.stepcheck import ShardFacts, ShardRef, shard_facts
+from ckptd.settings import Settings
+from tests.daemon_helpers import query, rank_tensors, step_states, wait_for, write_tp_strategy
+
+KEY = bytes(range(16))
+
+
+def _save(ms, root, rank: int, encrypted: bool):
+    """A tp2 shard by mindspore.save_checkpoint (encrypted ones without CRC: MindSpore cannot load
+    enc_key + crc_check files back)."""
+    path = root / "job" / f"rank_{rank}" / "net-1_10.ckpt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = [{"name": n, "data": ms.Tensor(a)} for n, a in rank_tensors(rank, 10).items()]
+    extra = {"enc_key": KEY, "enc_mode": "AES-GCM"} if encrypted else {"crc_check": True}
+    ms.save_checkpoint(data, str(path), append_dict={"step_num": 10, "rank_id": rank}, **extra)
+    return path
+
+
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "aes-gcm"])
+def test_verification_records_the_step_checks_facts(ms, tmp_path, catalog_url, encrypted):
+    root = tmp_path / "root"
+    write_tp_strategy(root / "job")
+    paths = [_save(ms, root, rank, encrypted) for rank in range(2)]
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
+                        key_file=key_file if encrypted else None)
+    d = Daemon(settings)
+    d.start()
+    try:
+        wait_for(lambda: step_states(catalog_url) == {10: "verified"}, 30, what="step 10 verified")
+        plan = d.verifier.steps.facts_plan(query(catalog_url, "SELECT id FROM checkpoints")[0][0])
+    finally:
+        d.stop()
+    rows = query(catalog_url, "SELECT rank, path, verify_seq, facts FROM shards ORDER BY rank")
+    assert [r[1] for r in rows] == [str(p) for p in paths]
+    for rank, path, seq, facts in rows:
+        doc = json.loads(facts)  # recorded by the verification, not by a second read in the step check
+        assert (doc["stamp"], doc["seq"]) == (plan.stamp, seq)
+        fresh = shard_facts(ShardRef(rank, path), plan.strategy, KEY if encrypted else None, plan.names,
+                            subset=plan.subset)
+        assert ShardFacts.decode(doc["facts"]) == fresh and fresh.step == 10 and fresh.shapes_ok
+    assert query(catalog_url, "SELECT step_checks_ok, global_step FROM checkpoints") == [(True, 10)]
