@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -213,14 +212,22 @@ def test_gc_dry_run_then_delete_keeps_the_invariants(ms, root, server):
 
 
 def test_gc_killed_between_phases_is_finished_on_restart(ms, root, catalog_url):
+    """What a gc process killed right after its phase-1 commit leaves (the marks, every file still
+    there) is finished by the next daemon start. The marks are committed by the phase-1 function
+    itself: a SIGKILL from outside cannot be aimed at that instant without a hook in production code."""
+    from sqlalchemy.orm import sessionmaker
+
+    from ckptd.catalog.db import make_engine
+    from ckptd.policy import RetentionPolicy
+    from ckptd.service.retention import GcReport, mark_for_deletion
+
     _job(ms, root, steps=(100, 200, 300))
     settings = Settings(root=root, db=catalog_url, settle_seconds=0.2)
     with Server(settings) as srv:
         srv.settle()
-    env = dict(os.environ, CKPTD_FAULT_GC_CRASH_AFTER_MARK="1")
-    proc = subprocess.run([sys.executable, "-m", "ckptd", "gc", "--run", "run1", "--keep-last", "1", "--db", catalog_url,
-                           "--root", str(root)], env=env, capture_output=True)
-    assert proc.returncode == -signal.SIGKILL
+    engine = make_engine(catalog_url)
+    mark_for_deletion(sessionmaker(engine), RetentionPolicy(keep_last=1), GcReport(dry_run=False), run_name="run1")
+    engine.dispose()
     states = dict(query(catalog_url, "SELECT step, state FROM checkpoints"))
     assert states == {100: "deleting", 200: "deleting", 300: "verified"}
     assert (root / "run1" / "rank_0" / "net-1_100.ckpt").exists()  # phase 2 never ran

@@ -315,24 +315,6 @@ def list_conversions(s: Session, run_name: str) -> list[dict[str, Any]]:
     return [conversion_dict(r, s) for r in rows]
 
 
-def delete_derived(s: Session, ckpt_id: int, root: str) -> list[str]:
-    """Rows and files of the converted copies of a step that retention is deleting."""
-    from ckptd.service.retention import _inside, delete_checkpoint_rows
-
-    removed = []
-    for copy in s.execute(select(Checkpoint).where(Checkpoint.derived_from_id == ckpt_id)).scalars().all():
-        dirs = {os.path.dirname(os.path.dirname(p)) for p in s.execute(
-            select(Shard.path).where(Shard.checkpoint_id == copy.id)).scalars()}
-        for d in dirs:
-            if _inside(root, d) and os.path.isdir(d):
-                shutil.rmtree(d)
-                removed.append(d)
-        s.execute(ConversionJob.__table__.delete().where(ConversionJob.output_checkpoint_id == copy.id))
-        delete_checkpoint_rows(s, copy.id)
-    s.execute(ConversionJob.__table__.delete().where(ConversionJob.source_checkpoint_id == ckpt_id))
-    return removed
-
-
 # --- conversions left by a dead process ----------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
+import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -85,9 +85,22 @@ def gc(
     sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
     owner: repo.Owner = repo.LOCAL,
 ) -> GcReport:
+    """Apply ``policy``: plan and mark (phase 1, one transaction), then delete the files and rows
+    (phases 2 and 3, :func:`finish_pending`; a process dying in between leaves the marks, which
+    the next gc or daemon start finishes)."""
     report = GcReport(dry_run=dry_run)
     if not dry_run:
         finish_pending(sessions, root, report, owner)
+    mark_for_deletion(sessions, policy, report, run_name=run_name)
+    if not dry_run:
+        finish_pending(sessions, root, report, owner)
+    return report
+
+
+def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, report: GcReport, *,
+                      run_name: str | None = None) -> None:
+    """Phase 1: plan every run (into ``report.plans``) and, unless ``report.dry_run``, mark the
+    steps to delete ``deleting`` in the same transaction that planned (rows locked on PostgreSQL)."""
     with sessions.begin() as s:
         q = select(Run).order_by(Run.name)
         if run_name is not None:
@@ -100,9 +113,8 @@ def gc(
         for run in runs:
             ids, doc = plan_run(s, run, policy)
             report.plans.append(doc)
-            if dry_run or not ids:
+            if report.dry_run or not ids:
                 continue
-            # phase 1: mark, in the same transaction that planned (rows locked on PostgreSQL)
             planned = select(Checkpoint).where(Checkpoint.id.in_(ids)).order_by(Checkpoint.id)
             steps = s.execute(repo.for_update(planned, s)).scalars().all()
             for c in steps:
@@ -110,11 +122,6 @@ def gc(
             for c in steps:  # each step's history after all steps: the lock order is step, then its history
                 for h in repo.history_rows(s, c):
                     h.state = StepState.DELETING.value
-    if not dry_run:
-        if os.environ.get("CKPTD_FAULT_GC_CRASH_AFTER_MARK") == "1":  # test hook: die between phases 1 and 2
-            os.kill(os.getpid(), signal.SIGKILL)
-        finish_pending(sessions, root, report, owner)
-    return report
 
 
 def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
@@ -124,6 +131,23 @@ def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
         if runlayout.is_iteration_dir(root, d) and _inside(root, d):
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+
+
+def delete_derived(s: Session, ckpt_id: int, root: str) -> list[str]:
+    """Rows and files of the converted copies of a step that retention is deleting (a copy never
+    outlives its source: its lineage would point nowhere)."""
+    removed = []
+    for copy in s.execute(select(Checkpoint).where(Checkpoint.derived_from_id == ckpt_id)).scalars().all():
+        dirs = {os.path.dirname(os.path.dirname(p)) for p in s.execute(
+            select(Shard.path).where(Shard.checkpoint_id == copy.id)).scalars()}
+        for d in dirs:
+            if _inside(root, d) and os.path.isdir(d):
+                shutil.rmtree(d)
+                removed.append(d)
+        s.execute(ConversionJob.__table__.delete().where(ConversionJob.output_checkpoint_id == copy.id))
+        delete_checkpoint_rows(s, copy.id)
+    s.execute(ConversionJob.__table__.delete().where(ConversionJob.source_checkpoint_id == ckpt_id))
+    return removed
 
 
 def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
@@ -178,8 +202,6 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if left:
             continue  # other nodes still hold files of it; the last one to delete removes the rows
         with sessions.begin() as s:
-            from ckptd.service.conversions import delete_derived
-
             report.deleted_files += len(delete_derived(s, ckpt_id, root))
             delete_checkpoint_rows(s, ckpt_id)
         report.deleted_steps += 1
