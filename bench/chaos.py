@@ -7,8 +7,8 @@ of fault, with its rank, step and moment drawn at random:
 
 ``rank-kill``       SIGKILL of a random rank's process (pid from its heartbeat) at a random moment of a
                     random step, from outside the job;
-``rank-kill-save``  a random rank SIGKILLs itself while its async save of a random save step is being
-                    written (``--fault kill-in-save``: the shard is left a ``.tmp``, never committed);
+``rank-kill-save``  a random rank SIGKILLs itself while its async save of a random save step is in
+                    flight (``--fault kill-in-save``: MindSpore's writer issued, the shard never lands);
 ``daemon-kill``     SIGKILL of ``ckptd serve`` at a random moment, restarted after a random down time
                     (0.5-8 s; same catalog, same port); the job trains on, its health reports dropped;
 ``both``            a random rank and ckptd SIGKILLed around the same moment (ckptd -2..+1 s from the

@@ -1,8 +1,10 @@
 """Fault injection for tests and the demo: ``KIND:RANK:STEP`` specs, active in one launch attempt.
 
 * ``kill:R:S``          rank R SIGKILLs itself at the start of step S (steps < S are done);
-* ``kill-in-save:R:S``  rank R SIGKILLs itself while its async save of step S is being written
-                        (as soon as MindSpore's ``.tmp`` appears, so the shard never completes);
+* ``kill-in-save:R:S``  rank R SIGKILLs itself while its async save of step S is in flight:
+                        MindSpore's writer thread was started and waits for the file lock the
+                        rank holds, so the shard never lands (deterministic: a small save raced
+                        to completion before a kill aimed at its ``.tmp`` under load);
 * ``hang:R:S``          rank R stops (sleeps forever, no heartbeat) at the start of step S.
 """
 
@@ -59,13 +61,21 @@ class Faults:
                 while True:
                     time.sleep(3600)
 
+    def before_save(self, step: int, settle) -> None:
+        """Before the save of ``step`` is issued: for ``kill-in-save``, let the previous save finish
+        (``settle``) and take MindSpore's checkpoint lock, which its async writer holds for the whole
+        write -- the save is then issued but cannot land before this rank dies."""
+        for f in self.faults:
+            if f.step == step and f.kind == "kill-in-save":
+                settle()
+                from mindspore.train import serialization
+
+                serialization._ckpt_mutex.acquire()  # an RLock: save_checkpoint on this thread re-enters it
+
     def after_save_issued(self, step: int, path: str) -> None:
         for f in self.faults:
             if f.step == step and f.kind == "kill-in-save":
-                tmp = os.path.splitext(path)[0] + ".tmp"
-                deadline = time.monotonic() + 5.0
-                while not os.path.exists(tmp) and not os.path.exists(path) and time.monotonic() < deadline:
-                    time.sleep(0.0005)
-                state = "tmp" if os.path.exists(tmp) else ("final" if os.path.exists(path) else "none")
+                state = "tmp" if os.path.exists(os.path.splitext(path)[0] + ".tmp") else (
+                    "final" if os.path.exists(path) else "none")
                 self.log(f"fault: kill rank {f.rank} during async save of step {step} (on disk: {state})")
                 _die(self.marker)

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         writer.step_end()
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             hb.beat(step, "save")
+            faults.before_save(step, writer.wait)
             path = writer.save(items(), step, sampler.epoch, sampler.state(), async_save=not args.sync_save)
             save_s = time.perf_counter() - t1
             faults.after_save_issued(step, path)
