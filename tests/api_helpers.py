@@ -13,6 +13,20 @@ from ckptd.api.app import create_app
 from ckptd.settings import Settings
 
 
+def serve_process(root, catalog_url: str, log, *args: str, **env: str):
+    """``ckptd serve`` as its own process (file events, not rescans, find new saves: a 30 s rescan
+    interval) on a free port: ``(process, client)``; its output goes to ``log``."""
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    environ = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="30", **env)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", catalog_url,
+                             "--port", str(port), *args], env=environ, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    return proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -294,20 +294,15 @@ def test_serve_picks_up_a_new_iteration_and_follows_a_resave(root, tmp_path, cat
     """``ckptd serve`` over real HTTP: a new iteration MindFormers saves while it runs is answered within
     seconds of its tracker update; an iteration re-saved in place (rank 0 rmtrees and rewrites it)
     is never answered half-written and is answered again once whole."""
-    import subprocess
-    import sys
     import time
 
     import httpx
 
-    from tests.api_helpers import free_port
+    from tests.api_helpers import serve_process
 
     ckpt = _copy_sample("ckpt2", root, "job")
-    port, log = free_port(), tmp_path / "serve.log"
-    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="30")  # events, not rescans
-    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", catalog_url,
-                             "--port", str(port)], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    log = tmp_path / "serve.log"
+    proc, client = serve_process(root, catalog_url, log)
     seen: list[int] = []
 
     def answer(step: int):

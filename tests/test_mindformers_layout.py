@@ -7,7 +7,6 @@ on embedded SQLite and on the real PostgreSQL.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -281,24 +280,19 @@ def _answer_or_none(url: str) -> dict | None:
 def test_serve_answers_a_tp2_pp2_mindformers_run_and_picks_up_a_live_save(ms, root, tmp_path, catalog_url):
     """``ckptd serve`` as its own process over real HTTP: the newest whole step, torn and incomplete
     steps skipped with reasons, then a save written while it runs answered within seconds."""
-    import subprocess
-    import sys
     import time
 
     import httpx
 
-    from tests.api_helpers import free_port
+    from tests.api_helpers import serve_process
 
     job = MFJob(root / "job", tp=2, dp=1, pp=2)
     job.strategy_files()
     job.save(10), job.save(20), job.save(30)
     tear(job.path(2, 30))
     job.save(40, ranks=[0, 1, 3])
-    port, log = free_port(), tmp_path / "serve.log"
-    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="30")  # events, not rescans, must find the live save
-    proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--db", catalog_url,
-                             "--port", str(port), "-v"], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    log = tmp_path / "serve.log"
+    proc, client = serve_process(root, catalog_url, log, "-v")  # events, not rescans, must find the live save
     try:
         def answer(step: int):
             if proc.poll() is not None:
