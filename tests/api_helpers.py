@@ -27,6 +27,18 @@ def serve_process(root, catalog_url: str, log, *args: str, **env: str):
     return proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
 
+def resume_of(proc, client: httpx.Client, log, run: str) -> dict | None:
+    """The resume answer of a :func:`serve_process` server (None: not 200 or not up yet); a dead
+    server fails the test with its log."""
+    if proc.poll() is not None:
+        raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{open(log).read()[-3000:]}")
+    try:
+        r = client.get(f"/v1/runs/{run}/resume", params={"lease": "false"})
+    except httpx.TransportError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

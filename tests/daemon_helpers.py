@@ -71,6 +71,16 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+def wait_or_stop(daemon, predicate, timeout: float, what: str):
+    """:func:`wait_for` on a started in-process daemon, stopping it if the wait fails; the daemon."""
+    try:
+        wait_for(predicate, timeout, what=what)
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
+
+
 def start_daemon_process(root: Path, url: str, *extra: str, log: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1")
     out = open(log, "ab") if log else subprocess.DEVNULL

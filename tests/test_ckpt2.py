@@ -24,7 +24,7 @@ from ckptd.format import mf2
 from ckptd.service import iteration, tracker
 from ckptd.service.resume import ResumeOptions, resume
 from ckptd.settings import Settings
-from tests.daemon_helpers import query, wait_for
+from tests.daemon_helpers import query, wait_for, wait_or_stop
 from tests.mf2_fixtures import PREFIX, make_records, mindformers_checkpoint_path, mindformers_save, write_files, write_tracker
 from tests.mf_fixtures import tear
 
@@ -137,12 +137,7 @@ def _settle(root: Path, url: str, want: dict[str, dict[int, str]], timeout: floa
         seen = {p for (p,) in query(url, "SELECT path FROM shards WHERE state <> 'deleted'")}
         return got if got == want and seen == on_disk else None
 
-    try:
-        wait_for(check, timeout, what=f"states {want}")
-    except BaseException:
-        d.stop()
-        raise
-    return d
+    return wait_or_stop(d, check, timeout, f"states {want}")
 
 
 def _resume(url: str, run: str) -> dict:
@@ -296,9 +291,7 @@ def test_serve_picks_up_a_new_iteration_and_follows_a_resave(root, tmp_path, cat
     is never answered half-written and is answered again once whole."""
     import time
 
-    import httpx
-
-    from tests.api_helpers import serve_process
+    from tests.api_helpers import resume_of, serve_process
 
     ckpt = _copy_sample("ckpt2", root, "job")
     log = tmp_path / "serve.log"
@@ -306,15 +299,10 @@ def test_serve_picks_up_a_new_iteration_and_follows_a_resave(root, tmp_path, cat
     seen: list[int] = []
 
     def answer(step: int):
-        if proc.poll() is not None:
-            raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            r = client.get("/v1/runs/job/resume", params={"lease": "false"})
-        except httpx.TransportError:
-            return None
-        if r.status_code == 200:
-            seen.append(r.json()["step"])
-        return r.json() if r.status_code == 200 and r.json()["step"] == step else None
+        body = resume_of(proc, client, log, "job")
+        if body is not None:
+            seen.append(body["step"])
+        return body if body is not None and body["step"] == step else None
 
     try:
         wait_for(lambda: answer(6), 60, interval=0.2, what="iteration 6 answered")

@@ -19,7 +19,7 @@ from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
 from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
 from ckptd.settings import Settings
-from tests.daemon_helpers import query, wait_for
+from tests.daemon_helpers import query, wait_for, wait_or_stop
 from tests.mf_fixtures import RESUME_SCENARIOS, MFJob, tear, write_health
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
@@ -48,12 +48,7 @@ def _settle(root: Path, url: str, run: str, want: dict, timeout: float = 60) -> 
         got = _states(url, run)
         return got if got == want else None
 
-    try:
-        wait_for(check, timeout, what=f"states {want}")
-    except BaseException:
-        d.stop()
-        raise
-    return d
+    return wait_or_stop(d, check, timeout, f"states {want}")
 
 
 def _resume(url: str, run: str, **opts) -> dict:
@@ -282,9 +277,8 @@ def test_serve_answers_a_tp2_pp2_mindformers_run_and_picks_up_a_live_save(ms, ro
     steps skipped with reasons, then a save written while it runs answered within seconds."""
     import time
 
-    import httpx
 
-    from tests.api_helpers import serve_process
+    from tests.api_helpers import resume_of, serve_process
 
     job = MFJob(root / "job", tp=2, dp=1, pp=2)
     job.strategy_files()
@@ -295,13 +289,8 @@ def test_serve_answers_a_tp2_pp2_mindformers_run_and_picks_up_a_live_save(ms, ro
     proc, client = serve_process(root, catalog_url, log, "-v")  # events, not rescans, must find the live save
     try:
         def answer(step: int):
-            if proc.poll() is not None:
-                raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                r = client.get("/v1/runs/job/resume", params={"lease": "false"})
-            except httpx.TransportError:
-                return None
-            return r.json() if r.status_code == 200 and r.json()["global_step"] == step else None
+            body = resume_of(proc, client, log, "job")
+            return body if body is not None and body["global_step"] == step else None
 
         def settled():  # step 20 answered once the torn and the incomplete step are judged too
             body = answer(20)
