@@ -88,14 +88,12 @@ class StepJudge:
                 return None
         return self._strategies[key]
 
-    def facts_plan(self, ckpt_id: int) -> FactsPlan | None:
+    def facts_plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan | None:
         """How the verifier computes a shard's facts in its own pass over the file (each byte read
-        once: the step check then reuses them); None for steps judged otherwise (Checkpoint 2.0)."""
-        with self.sessions() as s:
-            ckpt = s.get(Checkpoint, ckpt_id)
-            if ckpt is None or _layout(s, ckpt) == runlayout.CKPT2:
-                return None
-            return self._plan(s, ckpt)
+        once: the step check then reuses them), read in the caller's session (the verifier's claim
+        transaction: no round trips of its own on the hot path); None for steps judged otherwise
+        (Checkpoint 2.0)."""
+        return None if _layout(s, ckpt) == runlayout.CKPT2 else self._plan(s, ckpt)
 
     def _plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan:
         strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)

@@ -26,16 +26,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine
 from ckptd.catalog import repo
-from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Shard, StrategyFile
+from ckptd.catalog.nodes import NodeView
 from ckptd.format import mf2
+from ckptd.format.checkpoint import CheckpointFile
 from ckptd.format.digest import StreamDigest
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy
 from ckptd.format.verify import verify_file
 from ckptd.runlayout import sidecar_for
-from ckptd.format.checkpoint import CheckpointFile
 from ckptd.service.stepcheck import ShardFacts, content_step, facts_of
 from ckptd.service.stepjudge import FactsPlan, StepJudge
 from ckptd.settings import Settings
@@ -43,6 +43,14 @@ from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.verifier")
 _DIGEST_CHUNK = 64 << 20
+
+
+#: shards from which verification also takes the step check's facts: those the step check would
+#: otherwise read a second time at a cost (encrypted files are decrypted whole to index them; large
+#: plaintext ones may have left the page cache). A small plaintext shard is re-indexed from the
+#: index cache for free, and computing its facts on the verifier's hot path measurably delays the
+#: verification of a 512-rank burst (bench/RESULTS.md, issue 16).
+FACTS_IN_PASS_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -280,7 +288,7 @@ class Verifier:
                                   asked_at: dict[int, datetime]) -> dict[int, ShardState | None]:
         owner = self.nodes.owner()
         with self.sessions.begin() as s:
-            repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
+            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             # verified (by another daemon on a shared root) since we were asked: done, not again
             done = {sid for sid, at in s.execute(select(Shard.id, Shard.verified_at).where(
                 Shard.id.in_([sid for sid, _, _ in shards]), Shard.verified_at.is_not(None))).all()
@@ -288,9 +296,9 @@ class Verifier:
             seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
             nodes = dict(s.execute(select(Shard.id, Shard.node).where(Shard.id.in_(list(seqs)))).all())
             ranks = dict(s.execute(select(Shard.id, Shard.rank).where(Shard.id.in_(list(seqs)))).all())
+            plan = self.steps.facts_plan(s, ckpt) if seqs else None
         skipped = {shard_id for shard_id, _, _ in shards if shard_id not in seqs}  # another live node verifies them
         shards = [sh for sh in shards if sh[0] in seqs]
-        plan = self.steps.facts_plan(ckpt_id) if shards else None
         t0 = time.perf_counter()
         outcomes = {shard_id: self._read_shard(path, digest, _FactsJob(plan, ranks[shard_id], seqs[shard_id])
                                                if plan is not None else None)
@@ -370,7 +378,8 @@ class Verifier:
 
         def inspect(ck: CheckpointFile) -> tuple[int | None, ShardFacts | None]:
             plan = facts.plan if facts is not None else None
-            found = facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset) if plan else None
+            again = ck.encryption is not None or ck.source.size >= FACTS_IN_PASS_BYTES
+            found = facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset) if plan and again else None
             return content_step(ck), found
 
         report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest)
