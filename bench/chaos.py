@@ -59,7 +59,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -71,7 +70,8 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from trainer.oracle import FINAL_STATES, committed_saves
+from ckptd.launcher.supervise import free_port  # noqa: E402
+from trainer.oracle import FINAL_STATES, committed_saves  # noqa: E402
 
 KINDS = ("rank-kill", "rank-kill-save", "daemon-kill", "both", "corrupt-run", "corrupt-resume", "corrupt-down", "hang")
 TINY = ["--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "2", "--seq", "16", "--warmup", "3"]
@@ -82,12 +82,6 @@ def env() -> dict[str, str]:
     e = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     e.setdefault("GLOG_v", "3")
     return e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_avg() -> str:

@@ -533,11 +533,9 @@ _HOLD_S = 3.0  # after the last step is verified: longer than settle_seconds, so
 
 
 def _free_port() -> int:
-    import socket
+    from ckptd.launcher.supervise import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def _cpu_s(proc: Any) -> float:

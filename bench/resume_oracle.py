@@ -42,15 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.synthetic_catalog import fill
 from ckptd.catalog.db import make_engine, upgrade
+from ckptd.launcher.supervise import free_port  # noqa: E402
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TOKEN = "bench-read-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Conn:

@@ -200,9 +200,11 @@ def parse_iteration_file(run: str, iteration: int, name: str) -> ShardName | Non
         role: Role = "common" if name == MF2_COMMON else "metadata"
         return ShardName(run, iteration_slot(role), ITERATION_PREFIX, 0, iteration, False, "json", CKPT2, None, role)
     m = _ITERATION_FILE.match(name)
-    if m is None or unusable_name(name, CKPT2) is not None:
+    if m is None:
         return None
     index, total = int(m.group("index")), int(m.group("total"))
+    if not index < total <= MAX_RANK:
+        return None
     side: Role = "model" if m.group("role") == "model" else "opt"
     return ShardName(run, iteration_slot(side, index), ITERATION_PREFIX, 0, iteration, False, "safetensors",
                      CKPT2, None, side, total)

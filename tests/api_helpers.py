@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -10,6 +9,7 @@ import httpx
 import uvicorn
 
 from ckptd.api.app import create_app
+from ckptd.launcher.supervise import free_port  # noqa: F401  (the tests' one way to pick a port)
 from ckptd.settings import Settings
 
 
@@ -39,10 +39,18 @@ def resume_of(proc, client: httpx.Client, log, run: str) -> dict | None:
     return r.json() if r.status_code == 200 else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def stop_process(proc, grace: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds (a server's shutdown is bounded; a test's is too)."""
+    import signal
+    import subprocess
+
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Server:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,15 +25,10 @@ from tests import trainer_helpers as th
 from tests.daemon_helpers import query, wait_for
 from trainer.oracle import committed_steps, wait_for_verdicts
 from trainer.scan_resume import _intact
+from tests.api_helpers import free_port, stop_process
 
 STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
 REPORT, ADMIN = "e2e-report-token", "e2e-admin-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -89,21 +82,13 @@ def ckptd(tmp_path_factory):
 
     wait_for(up, timeout=60, interval=0.2, what="ckptd serve to come up")
     yield server
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc)
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     """The same job without any failure (outside ckptd's root; the stand-in oracle is never asked)."""
-    d = tmp_path_factory.mktemp("ref") / "run"
-    rc, log = th.launch(d, 2, 1, *STEPS, launch_args=("--fresh",))
-    assert rc == 0, log
-    return d
+    return th.reference_run(tmp_path_factory, 2, 1, *STEPS)
 
 
 def launch(server: Ckptd, run_dir: Path, *train_args: str, faults: tuple[str, ...] = (),

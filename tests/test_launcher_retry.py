@@ -14,7 +14,6 @@ import http.server
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,15 +26,10 @@ import pytest
 from tests import trainer_helpers as th
 from tests.daemon_helpers import wait_for
 from trainer.oracle import OracleError, OracleUnavailable, ask_http, check_ready, wait_for_verdicts
+from tests.api_helpers import free_port, stop_process
 
 STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
 TOKEN = "retry-report-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:
@@ -77,13 +71,7 @@ class Serve:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture
@@ -132,10 +120,7 @@ class Launcher:
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     """The same job without any failure or ckptd (the stand-in oracle is never asked)."""
-    d = tmp_path_factory.mktemp("ref") / "run"
-    rc, log = th.launch(d, 2, 1, *STEPS, launch_args=("--fresh",))
-    assert rc == 0, log
-    return d
+    return th.reference_run(tmp_path_factory, 2, 1, *STEPS)
 
 
 def assert_same_losses_and_shards(ref_dir: Path, got_dir: Path, final: int = 8) -> None:

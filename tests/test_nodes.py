@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from ckptd.catalog.db import make_engine, upgrade
-from tests.api_helpers import free_port
+from tests.api_helpers import free_port, stop_process
 from tests.daemon_helpers import query, rank_tensors, save_shard, wait_for, write_tp_strategy
 
 TP = 4
@@ -83,12 +83,7 @@ class Node:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc)
 
 
 def _save(ms, disk: Path, ranks, step: int) -> None:

@@ -32,6 +32,7 @@ from ckptd.service.resume import RESUME_LEASE
 from ckptd.settings import Settings
 from tests.api_helpers import Server
 from tests.daemon_helpers import query, save_shard, wait_for, write_tp_strategy
+from tests.api_helpers import free_port, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN = "stale-admin-token"
@@ -67,19 +68,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Serve:
     """A ``ckptd serve`` process with an admin token."""
 
     def __init__(self, tmp: Path, root: Path, db: str, **env: str) -> None:
         tokens = tmp / "tokens"
         tokens.write_text(f"admin {ADMIN}\n")
-        self.port = _free_port()
+        self.port = free_port()
         self.log = tmp / f"serve-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -101,13 +96,8 @@ class Serve:
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            os.kill(self.proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        stop_process(self.proc)
 
 
 def _stopped(pid: int) -> bool:

@@ -50,6 +50,15 @@ def launch(run_dir, tp: int, dp: int, *train_args: str, launch_args: tuple[str, 
     return proc.returncode, lines
 
 
+def reference_run(tmp_path_factory, tp: int, dp: int, *train_args: str):
+    """An uninterrupted run of the same job (``--fresh``: the stand-in oracle is never asked), to
+    compare a resumed run with; its run directory."""
+    d = tmp_path_factory.mktemp("ref") / "run"
+    rc, log = launch(d, tp, dp, *train_args, launch_args=("--fresh",))
+    assert rc == 0, log
+    return d
+
+
 def losses(run_dir) -> dict[int, list[tuple[int, str]]]:
     """step -> [(attempt, loss as float.hex)] from rank 0's metrics log."""
     out: dict[int, list[tuple[int, str]]] = {}

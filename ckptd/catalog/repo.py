@@ -156,6 +156,12 @@ class Owner:
 LOCAL = Owner(socket.gethostname() or "localhost")
 
 
+def run_layout(session: Session, ckpt: Checkpoint) -> str | None:
+    """The layout of the run a step belongs to (``ckptd.runlayout``; None before migration 0005)."""
+    run = session.get(Run, ckpt.run_id)
+    return run.layout if run is not None else None
+
+
 def shard_paths(session: Session, ckpt_id: int) -> list[str]:
     """Paths of a step's shards that are part of it now (not deleted, not superseded)."""
     return list(session.execute(select(Shard.path).where(

@@ -51,11 +51,12 @@ class Placement:
 class IterationMetadata:
     placements: tuple[Placement, ...]
 
-    def files(self) -> frozenset[str]:
-        return frozenset(p.file_name for p in self.placements)
-
-    def in_file(self, file_name: str) -> tuple[Placement, ...]:
-        return tuple(p for p in self.placements if p.file_name == file_name)
+    def by_file(self) -> dict[str, list[Placement]]:
+        """File name -> the slices placed in it (one pass: a 70B model's metadata holds ~10^5)."""
+        out: dict[str, list[Placement]] = {}
+        for p in self.placements:
+            out.setdefault(p.file_name, []).append(p)
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,16 @@ def _slice_key(key: str) -> tuple[str, tuple[int, ...]] | None:
 
 def parse_metadata(raw: bytes, path: str) -> IterationMetadata:
     """The placements ``metadata.json`` promises; a record that cannot be true is an error."""
-    doc = _load(raw, path, "metadata.json")
+    return metadata_from_doc(load_metadata_doc(raw, path), path)
+
+
+def load_metadata_doc(raw: bytes, path: str) -> Any:
+    """``metadata.json`` as JSON (for readers that need more of it than the placements: layouts)."""
+    return _load(raw, path, "metadata.json")
+
+
+def metadata_from_doc(doc: Any, path: str) -> IterationMetadata:
+    """:func:`parse_metadata` of an already loaded document."""
     if not isinstance(doc, dict) or not isinstance(doc.get("state_dict_metadata"), dict) \
             or not isinstance(doc.get("storage_data"), dict):
         raise CorruptError("metadata.json has no state_dict_metadata / storage_data objects", path=path,

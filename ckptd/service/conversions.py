@@ -145,7 +145,7 @@ def convert_step(
 
     with sessions.begin() as s:
         ckpt, files, strat_row = check_source(s, run_name, step)
-        iteration = _layout_of(s, ckpt) == runlayout.CKPT2  # the layout is metadata.json's, not a strategy file's
+        iteration = repo.run_layout(s, ckpt) == runlayout.CKPT2  # the layout is metadata.json's, not a strategy file's
         if strat_row is None and not iteration:
             raise InvalidRequestError(f"step {step} has no strategy file in the catalog", hint="convert with --src-strategy")
         src_id = ckpt.id
@@ -219,11 +219,6 @@ def convert_step(
             src = s.get(Checkpoint, src_id)
             if src is not None:
                 src.lease_until = None
-
-
-def _layout_of(s: Session, ckpt: Checkpoint) -> str | None:
-    run = s.get(Run, ckpt.run_id)
-    return run.layout if run is not None else None
 
 
 def _fault_hook(progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:

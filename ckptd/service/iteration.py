@@ -39,7 +39,6 @@ class IterationVerdict:
     in_flight: list[str] = field(default_factory=list)  # ``*.tmp`` files of a save being written
     required: int = 0  # how many files the iteration has when whole
     health_reason: str | None = None
-    common: mf2.CommonInfo | None = None
 
     @property
     def incomplete(self) -> bool:
@@ -108,37 +107,35 @@ def judge(root: str, iteration: int, files: dict[int, str]) -> IterationVerdict:
             problems.append(f"common.json says step_num {common.step_num}, global_step {common.global_step}: "
                             f"not iteration {iteration} (a file of another save)")
         health = ABNORMAL_REASON if common.abnormal else None
-    required, placements, more = _required(root, files, by_name, problems)
+    placements = _placements(root, files, problems)
+    required = required_by_names(by_name) if placements is None else (
+        set(placements) | {runlayout.MF2_METADATA, runlayout.MF2_COMMON})
     missing = sorted(n for n in required if n not in by_name)
     bad = 0
-    for name, wanted in placements.items():
+    for name, wanted in sorted((placements or {}).items()):
         if name in by_name and bad < _MAX_TENSOR_PROBLEMS:
             found = _tensor_problems(root, by_name[name], wanted, _MAX_TENSOR_PROBLEMS - bad)
             bad += len(found)
             problems.extend(found)
-    problems.extend(more)
-    return IterationVerdict(problems, missing, in_flight(directory), len(required), health, common)
+    problems.extend(f"metadata.json places tensors in {name!r}, which is not a Checkpoint 2.0 file name"
+                    for name in sorted(placements or {}) if runlayout.parse_iteration_file("", 0, name) is None)
+    return IterationVerdict(problems, missing, in_flight(directory), len(required), health)
 
 
-def _required(root: str, files: dict[int, str], by_name: dict[str, str],
-              problems: list[str]) -> tuple[set[str], dict[str, tuple[mf2.Placement, ...]], list[str]]:
-    """The file names the iteration needs, what metadata.json places in each, and problems with
-    the names it gives."""
+def _placements(root: str, files: dict[int, str], problems: list[str]) -> dict[str, list[mf2.Placement]] | None:
+    """File name -> what metadata.json places in it; None without a metadata.json (single rank:
+    the names decide), ``{}`` when it cannot be read (the problem is appended)."""
     path = files.get(runlayout.iteration_slot("metadata"))
     if path is None:
-        return required_by_names(by_name), {}, []
+        return None
     try:
-        meta = mf2.parse_metadata(confine.read_beneath(root, path, mf2.MAX_METADATA_BYTES), path)
+        return mf2.parse_metadata(confine.read_beneath(root, path, mf2.MAX_METADATA_BYTES), path).by_file()
     except (CkptdError, OSError) as err:
         problems.append(f"metadata.json: {err}")
-        return {runlayout.MF2_METADATA, runlayout.MF2_COMMON}, {}, []
-    needed = set(meta.files())
-    more = [f"metadata.json places tensors in {name!r}, which is not a Checkpoint 2.0 file name"
-            for name in sorted(needed) if runlayout.parse_iteration_file("", 0, name) is None]
-    return needed | {runlayout.MF2_METADATA, runlayout.MF2_COMMON}, {n: meta.in_file(n) for n in needed}, more
+        return {}
 
 
-def _tensor_problems(root: str, path: str, wanted: tuple[mf2.Placement, ...], limit: int) -> list[str]:
+def _tensor_problems(root: str, path: str, wanted: list[mf2.Placement], limit: int) -> list[str]:
     name = os.path.basename(path)
     try:
         with confine.opened(root, path) as fd_name, open_checkpoint(fd_name) as ckpt:

@@ -26,6 +26,7 @@ from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
+from ckptd.service import tracker
 from ckptd.service.catalog import get_run
 from ckptd.states import ShardState
 
@@ -214,8 +215,6 @@ def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, r
     """A Checkpoint 2.0 iteration: its files (``rank`` is the file's slot, ``role`` says which),
     where MindFormers loads it from, and what the tracker says. MindFormers re-shards 2.0
     checkpoints into the running layout itself, so there is no world size and no conversion."""
-    from ckptd.service import tracker
-
     root = os.path.dirname(run_path)
     answer["world_size"] = None
     answer["shards"] = [{"rank": rank, "path": path, "node": node, "role": runlayout.slot_role(rank)[0]}

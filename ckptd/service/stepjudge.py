@@ -188,7 +188,9 @@ class StepJudge:
             ckpt = s.get(Checkpoint, ckpt_id)
             rows = self._rows(s, ckpt_id)
             step = ckpt.step
-        if not rows or not all(os.path.exists(r.path) for r in rows):
+        if not rows or any(r.state == ShardState.COMPLETE.value for r in rows):
+            return []  # still being verified: the last verification asks again
+        if not all(os.path.exists(r.path) for r in rows):
             return []  # a file vanished since it was judged ready: its deletion asks again
         t0 = time.perf_counter()
         verdict = iteration.judge(str(self.settings.root), step, {r.rank: r.path for r in rows})
@@ -196,9 +198,8 @@ class StepJudge:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             if unjudged_only and ckpt.step_checks_ok is not None:
                 return []
-            if [r.file for r in self._rows(s, ckpt_id)] != [r.file for r in rows] \
-                    or any(r.state == ShardState.COMPLETE.value for r in rows):
-                return []  # changed or still being verified meanwhile: whoever changed it asks again
+            if self._rows(s, ckpt_id) != rows:
+                return []  # changed or re-verified meanwhile: whoever changed it asks again
             reason = verdict.reason()
             if verdict.incomplete:
                 # not judged: the files may still arrive (async saves write the JSON records first);
@@ -259,13 +260,12 @@ def _fresh(row: _Row, stamp: str) -> ShardFacts | None:
 
 
 def _layout(s: Session, ckpt: Checkpoint) -> str | None:
-    run = s.get(Run, ckpt.run_id)
-    return run.layout if run is not None and ckpt.kind != "converted" else None
+    """The layout the step is judged by (a converted copy is ckptd's own: none of the run's)."""
+    return repo.run_layout(s, ckpt) if ckpt.kind != "converted" else None
 
 
 def _subset(s: Session, ckpt: Checkpoint) -> bool:
-    run = s.get(Run, ckpt.run_id)
-    return ckpt.kind != "converted" and run is not None and allows_subset(run.layout)
+    return allows_subset(_layout(s, ckpt))
 
 
 def _unusable_strategy(s: Session, ckpt: Checkpoint) -> str | None:
