@@ -85,8 +85,7 @@ def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run:
                               "after": iteration, "dry_run": dry_run, "written": False}
     if before.iteration == iteration or dry_run:
         return result
-    directory = os.path.dirname(before.path)
-    confine.check_dir_beneath(root, directory)  # checkpoint/ itself may not lead outside the root
+    # checkpoint/ itself was checked with the iteration directory below it: no symlink out of the root
     if os.path.lexists(before.path) and not confine.is_regular_beneath(root, before.path):
         raise CkptdError("refusing to replace the tracker: it is not a regular file (symlink, FIFO, ...)",
                          path=before.path, hint="remove it by hand after checking what it is")
