@@ -1,7 +1,8 @@
 """Benchmark: ``ckptd convert`` vs ``mindspore.transform_checkpoints`` on one multi-GB checkpoint.
 
 The source is a tp=4 job (weights + Adam moments, float32, ~2.25 GiB over 4 rank files by
-default), written with ckptd's MindSpore-byte-compatible writer. For each target layout both tools
+default; ``--source tp2dp2``: a tp=2 x dp=2 job, whose ranks 2-3 replicate ranks 0-1), written
+with ckptd's MindSpore-byte-compatible writer. For each target layout both tools
 run in their own child process (``python bench/convert.py --child ...``) on the same inputs with
 a warm page cache; we report
 
@@ -15,9 +16,11 @@ a warm page cache; we report
 then compare every output tensor of both tools bitwise. ckptd's time includes what MindSpore does
 not do: fsync of every file and directory, and digest-verifying every output piece (on the bytes
 in hand since issue 16). Each run also times the copy limit: ``cp -r`` of the source + ``sync``
-(every byte a conversion reads, as many written), the physical floor for a conversion here.
+(every byte a conversion reads, as many written), the physical floor for a conversion here; for
+the tp2dp2 source only one data-parallel replica (ranks 0-1) is copied: a conversion reads each
+slice once, from one replica.
 
-Usage: ``.venv/bin/python bench/convert.py [--gib 2.25] [--targets tp2,none] [--repeat N] [--workdir DIR] [--keep]``
+Usage: ``.venv/bin/python bench/convert.py [--gib 2.25] [--source tp4|tp2dp2] [--targets tp2,none,tp4] [--repeat N] [--workdir DIR] [--keep]``
 (on a shared/noisy machine use ``--repeat 3``: every run is printed as it ends, with the 1-minute load
 average around it; the summary shows each tool's best time and worst peak RSS).
 """
@@ -47,15 +50,19 @@ def _names(n_layers: int) -> list[tuple[str, int]]:
     return weights + [(f"adam_m.{n}", d) for n, d in weights] + [(f"adam_v.{n}", d) for n, d in weights]
 
 
-def _strategy(names: list[tuple[str, int]], tp: int):
+def _strategy(names: list[tuple[str, int]], tp: int, dp: int = 1):
     from ckptd.format.layout import TensorLayout
     from ckptd.format.strategy import OpItem, ParamStrategy, Strategy
 
-    entries = [ParamStrategy(n, TensorLayout((1, tp), (0, -1) if d == 0 else (-1, 0))) for n, d in names]
-    return Strategy.build(entries, op_items=[OpItem("Default/MatMul-op0", 0, ((1, tp),))])
+    # dev matrix (dp, tp): tensor_map 0 names the last axis (tp); the dp axis replicates
+    entries = [ParamStrategy(n, TensorLayout((dp, tp), (0, -1) if d == 0 else (-1, 0))) for n, d in names]
+    return Strategy.build(entries, op_items=[OpItem("Default/MatMul-op0", 0, ((dp, tp),))])
 
 
-def build(work: Path, gib: float) -> list[tuple[str, int]]:
+SOURCES = {"tp4": (4, 1), "tp2dp2": (2, 2)}  # name -> (tp, dp) of the 4-rank source
+
+
+def build(work: Path, gib: float, source: str = "tp4") -> list[tuple[str, int]]:
     from ckptd.format.checkpoint import write_checkpoint
     from ckptd.format.layout import slice_for_rank
     from ckptd.format.strategy import save_strategy
@@ -63,9 +70,10 @@ def build(work: Path, gib: float) -> list[tuple[str, int]]:
     per_matrix = HIDDEN * HIDDEN * 4
     n_layers = max(1, round(gib * 2**30 / (per_matrix * 2 * 3)))
     names = _names(n_layers)
-    src = _strategy(names, 4)
+    src = _strategy(names, *SOURCES[source])
     save_strategy(src, work / "src_strategy.ckpt")
     save_strategy(_strategy(names, 2), work / "tp2_strategy.ckpt")
+    save_strategy(_strategy(names, 4), work / "tp4_strategy.ckpt")
     rng = np.random.default_rng(0)
     base = rng.standard_normal((HIDDEN, HIDDEN), dtype=np.float32)
     for rank in range(4):
@@ -120,15 +128,16 @@ def measure(tool: str, work: Path, target: str) -> dict:
     return {"call_s": doc["call_s"], "wall_s": wall, "peak_rss": doc["vm_hwm"], "out": out}
 
 
-def copy_limit(work: Path) -> float:
+def copy_limit(work: Path, ranks: range = range(4)) -> float:
     """``cp -r`` of the source (every byte a conversion reads, and as many written) + ``sync``: the
     physical limit of a conversion on this disk, measured like ``measure`` (after an ``os.sync``,
     the previous copy's output deleted first, so both write into memory the guest just freed)."""
     out = work / "out_cp"
     shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
     os.sync()
     t0 = time.perf_counter()
-    subprocess.run(["cp", "-r", str(work / "src"), str(out)], check=True)
+    subprocess.run(["cp", "-r", *(str(work / "src" / f"rank_{r}") for r in ranks), str(out)], check=True)
     os.sync()
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
@@ -159,7 +168,8 @@ def compare(a: Path, b: Path) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.25, help="total source size (weights + 2 moments)")
-    ap.add_argument("--targets", default="tp2,none", help="comma list of tp2 / none")
+    ap.add_argument("--source", choices=sorted(SOURCES), default="tp4", help="layout of the 4-rank source")
+    ap.add_argument("--targets", default=None, help="comma list of tp2 / none / tp4 (default tp2,none; tp4 for tp2dp2)")
     ap.add_argument("--workdir", default="/tmp/ckptd-bench-convert")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--repeat", type=int, default=1, help="runs per tool and target, alternating; best time, worst RSS")
@@ -169,27 +179,30 @@ def main() -> None:
     if args.child:
         child(args.child, work, args.targets, work / f"out_{args.child}_{args.targets}")
         return
+    targets = args.targets or ("tp4" if args.source == "tp2dp2" else "tp2,none")
+    tp, dp = SOURCES[args.source]
+    needed = range(4 // dp)  # the ranks of one data-parallel replica: all a conversion reads
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     t0 = time.perf_counter()
-    build(work, args.gib)
+    build(work, args.gib, args.source)
     size = sum(f.stat().st_size for f in (work / "src").rglob("*.ckpt"))
-    print(f"source: 4 ranks (tp=4), {size / 2**30:.2f} GiB, built in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"source: 4 ranks ({args.source}), {size / 2**30:.2f} GiB, built in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     print("per run: | case | run | MindSpore call | ckptd call | speed-up | MindSpore peak RSS | ckptd peak RSS "
           "| copy limit (cp + sync) | ckptd / copy limit | 1-min load average before -> after |", flush=True)
-    copy_limit(work)  # warm-up: the first write into memory the guest has not used lately is slow on this VM
+    copy_limit(work, needed)  # warm-up: the first write into memory the guest has not used lately is slow on this VM
     try:
-        for target in args.targets.split(","):
+        for target in targets.split(","):
             runs: dict[str, list[dict]] = {"ms": [], "ckptd": []}
             copies: list[float] = []
             for run in range(max(1, args.repeat)):  # alternate so background load hits both alike
                 load0 = os.getloadavg()[0]
                 for tool in ("ms", "ckptd"):
                     runs[tool].append(measure(tool, work, target))
-                copies.append(copy_limit(work))
+                copies.append(copy_limit(work, needed))
                 m, c = runs["ms"][-1], runs["ckptd"][-1]
-                print(f"run | tp4 -> {target} | {run + 1} | {m['call_s']:.2f} s | {c['call_s']:.2f} s | "
+                print(f"run | {args.source} -> {target} | {run + 1} | {m['call_s']:.2f} s | {c['call_s']:.2f} s | "
                       f"{m['call_s'] / c['call_s']:.1f}x | {m['peak_rss'] / 2**30:.2f} GiB | {c['peak_rss'] / 2**30:.2f} GiB "
                       f"({c['peak_rss'] / m['peak_rss']:.0%}) | {copies[-1]:.2f} s | {c['call_s'] / copies[-1]:.2f}x "
                       f"| {load0:.1f} -> {os.getloadavg()[0]:.1f} |", flush=True)
@@ -205,10 +218,10 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print()
-    print(f"Source: tp=4, 4 rank files, {size / 2**30:.2f} GiB (float32 weights + adam_m + adam_v), warm page cache, "
-          f"{os.cpu_count()} CPUs.")
+    print(f"Source: {args.source} (tp={tp}, dp={dp}), 4 rank files, {size / 2**30:.2f} GiB (float32 weights + adam_m + "
+          f"adam_v), warm page cache, {os.cpu_count()} CPUs; copy limit = cp + sync of ranks {list(needed)}.")
     print()
-    print("| tp4 -> | MindSpore call (s) | ckptd call (s) | speedup | MindSpore child (s) | ckptd child (s) "
+    print(f"| {args.source} -> | MindSpore call (s) | ckptd call (s) | speedup | MindSpore child (s) | ckptd child (s) "
           "| copy limit (s) | ckptd call / copy limit | MindSpore peak RSS | ckptd peak RSS | RSS ratio | outputs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for target, res, tensors, nbytes in rows:

@@ -81,7 +81,7 @@ from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from ckptd.format.ckpt import write_ckpt_stream
+from ckptd.format.ckpt_write import write_ckpt_stream
 from ckptd.format.layout import TensorLayout
 from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
 
@@ -983,9 +983,6 @@ def render_shared(args: argparse.Namespace, shared: list[dict]) -> list[str]:
 def render(facts: dict[str, str], args: argparse.Namespace, ingest: list[dict], query: list[dict], wall: float,
            shared: list[dict] | None = None) -> str:
     lines = ["## Machine", "", *(f"- {k}: {v}" for k, v in facts.items())]
-    if args.experiment_digest_chunk:
-        lines += ["", (f"**EXPERIMENT: `ckptd.service.verifier._DIGEST_CHUNK` monkeypatched to "
-                      f"{args.experiment_digest_chunk} MiB (shipped: 64 MiB) — not the shipped code's numbers.**")]
     if ingest:
         lines += render_ingest(args, ingest)
     if query:
@@ -1020,8 +1017,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--log", help="write the daemon's warnings/errors with tracebacks to this file")
-    ap.add_argument("--experiment-digest-chunk", type=int, default=0, metavar="MIB",
-                    help="EXPERIMENT: monkeypatch the verifier's digest buffer size (shipped: 64 MiB)")
     ap.add_argument("--daemons", default="", metavar="N[,M...]",
                     help=("several daemons on one shared root: run these numbers of `ckptd serve` processes "
                           "(PostgreSQL), each against 1 daemon in the same run (`--daemons 2` = 1 and 2); "
@@ -1045,10 +1040,6 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("ckptd").addHandler(handler)
         logging.getLogger("ckptd").propagate = False
-    if args.experiment_digest_chunk:
-        import ckptd.service.verifier as verifier_mod
-
-        verifier_mod._DIGEST_CHUNK = args.experiment_digest_chunk << 20
     t_all = time.perf_counter()
     facts = machine_facts(backends + (["postgresql"] if args.daemon_counts and "postgresql" not in backends else []))
     hogs = [multiprocessing.get_context("spawn").Process(target=_busy_loop, daemon=True) for _ in range(args.cpu_hog)]

@@ -12,6 +12,9 @@ the use.
 
 Writes go through :func:`make_dirs_beneath`, which creates missing directories from the root's
 descriptor in the same way, so an output directory can never be redirected outside the root.
+Deletions go through :func:`unlink_beneath`, :func:`rmdir_beneath` and :func:`rmtree_beneath`:
+they act on a name inside the directory descriptor reached that way, so a symlinked rank or
+``converted/`` directory can never make retention delete another run's (or anyone's) files.
 
 The format readers (``ckptd.format``) open files by name; the service hands them
 ``/proc/self/fd/<n>`` of a descriptor opened here (:func:`proc_path`), which reopens exactly the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 
@@ -40,6 +44,11 @@ class ConfinementError(CkptdError):
 
 def _components(root: str, path: str) -> list[str]:
     root_abs = os.path.abspath(root)
+    prefix = root_abs.rstrip(os.sep) + os.sep
+    if path.startswith(prefix):  # the usual case, a plain absolute path below the root: nothing to normalise
+        parts = path[len(prefix):].split(os.sep)
+        if all(p not in ("", os.curdir, os.pardir) for p in parts):
+            return parts
     rel = os.path.relpath(os.path.abspath(path), root_abs)
     if rel == os.curdir or rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
         raise ConfinementError("outside the checkpoint root", path=path)
@@ -92,7 +101,7 @@ def open_beneath(root: str, path: str) -> int:
     with _walk(root, parts, path) as dir_fd:
         st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
         if not stat.S_ISREG(st.st_mode):
-            raise ConfinementError(f"not a regular file ({_kind(st.st_mode)})", path=path)
+            raise ConfinementError(f"not a regular file ({kind_of(st.st_mode)})", path=path)
         try:
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
         except OSError as err:
@@ -102,7 +111,7 @@ def open_beneath(root: str, path: str) -> int:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise ConfinementError(f"not a regular file ({_kind(st.st_mode)})", path=path)
+        raise ConfinementError(f"not a regular file ({kind_of(st.st_mode)})", path=path)
     return fd
 
 
@@ -178,7 +187,39 @@ def is_regular_beneath(root: str, path: str) -> bool:
         return False
 
 
-def _kind(mode: int) -> str:
+def unlink_beneath(root: str, path: str) -> None:
+    """Remove the file ``path`` below ``root``: every directory component a real directory, the
+    name itself not a symlink (retention deletes what the catalog recorded, never what a link
+    points at, nor the link: a planted link is for an operator to look at)."""
+    parts = _components(root, path)
+    with _walk(root, parts, path) as dir_fd:
+        st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode):
+            raise ConfinementError(f"is a {kind_of(st.st_mode)}, not a file ckptd wrote", path=path)
+        os.unlink(parts[-1], dir_fd=dir_fd)
+
+
+def rmdir_beneath(root: str, path: str) -> None:
+    """``rmdir`` of an empty real directory below ``root`` (OSError if not empty)."""
+    parts = _components(root, path)
+    with _walk(root, parts, path) as dir_fd:
+        os.close(_open_dir(parts[-1], dir_fd, path))  # refuses a symlink in its place
+        os.rmdir(parts[-1], dir_fd=dir_fd)
+
+
+def rmtree_beneath(root: str, path: str) -> None:
+    """``rm -r`` of the real directory ``path`` below ``root``. shutil's descriptor-based rmtree
+    (``dir_fd``) never follows a symlink inside the tree; a symlink as ``path`` itself is refused."""
+    parts = _components(root, path)
+    with _walk(root, parts, path) as dir_fd:
+        os.close(_open_dir(parts[-1], dir_fd, path))
+        if not shutil.rmtree.avoids_symlink_attacks:  # only the fd-based implementation is safe here
+            raise ConfinementError("this platform's rmtree may follow symlinks; not deleted", path=path)
+        shutil.rmtree(parts[-1], dir_fd=dir_fd)
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words (for reasons and logs)."""
     for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
                        (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
         if test(mode):

@@ -1,7 +1,7 @@
-"""Composition root: settings → catalog → verifier → ingestor → watcher.
+"""Composition root: settings → catalog → verifier → ingestor → watcher, and the job runner.
 
 ``Daemon(settings).start()`` refuses to run on a catalog whose schema is not exactly this ckptd's
-(``ckptd db upgrade`` first). ``stop()`` stops events, then drains verification.
+(``ckptd db upgrade`` first). ``stop()`` stops jobs (bounded) and events, then drains verification.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
-from ckptd.service.jobs import recover_abandoned
+from ckptd.service.jobs import JobRunner, recover_abandoned
 from ckptd.service.retention import finish_pending, gc
 from ckptd.service.verifier import Verifier
 from ckptd.settings import Settings
@@ -38,7 +38,7 @@ class Daemon:
         require_current_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         index_cache = IndexCache()  # a new shard is opened by ingest, verification and step checks
-        self.nodes = NodeView(self.sessions, settings.node_name, settings.node_timeout)
+        self.nodes = NodeView(self.sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
         self.verifier = Verifier(settings, self.sessions, index_cache, self.nodes)
         self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache,
                                  self.nodes)
@@ -54,6 +54,9 @@ class Daemon:
             settle_seconds=settings.settle_seconds,
             backend=settings.watch_backend,
         )
+        # re-verification and conversions the API starts
+        self.jobs = JobRunner(self.sessions, self.ingestor.examine_many, self.verifier.verify_shards,
+                              self.verifier.check_step, owner=self.nodes.owner)
 
     def record_conversion(self, nbytes: int, seconds: float) -> None:
         """A conversion finished here: ``nbytes`` written (and verified) in ``seconds``."""
@@ -66,6 +69,7 @@ class Daemon:
                  self.engine.url.render_as_string(hide_password=True))
         with self.sessions.begin() as s:
             node_registry.register(s, self.settings.node_name, str(self.settings.root))
+        node_registry.write_marker(str(self.settings.root), self.settings.node_name)  # who shares this root
         finished = finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())  # a gc a crash interrupted
         if finished:
             log.info("finished %d interrupted retention deletions", finished)
@@ -138,7 +142,7 @@ class Daemon:
     def stalls(self) -> dict[str, float]:
         """Threads that made no progress for ``worker_stall_seconds``: name -> seconds busy."""
         limit = self.settings.worker_stall_seconds
-        out = self.verifier.stalled(limit)
+        out = self.verifier.stalled(limit) | self.jobs.stalled(limit)
         since = self.watcher.busy_since
         if since is not None and time.monotonic() - since > limit:
             out["ckptd-ingest"] = time.monotonic() - since
@@ -146,6 +150,7 @@ class Daemon:
 
     def stop(self) -> None:
         self._stopping.set()
+        self.jobs.close()
         self.watcher.stop()
         try:
             self.verifier.drain(timeout=60)

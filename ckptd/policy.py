@@ -28,6 +28,9 @@ class StepInfo:
     #: training order when ``step`` cannot tell: (epoch, step in the file name, incarnation) — a step
     #: not verified yet has no global step, and two incarnations can save the same one (the newer wins)
     position: tuple[int, ...] = ()
+    #: how the file names call a step whose global step is not known yet, when that is not the
+    #: training step (MindFormers counts ``S`` within the epoch): said with the reason it is skipped
+    named: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class ResumePolicy:
             reason = self._rejection(s, unhealthy)
             if reason is None:
                 return ResumeDecision(s, tuple(skipped))
-            skipped.append((s.step, reason))
+            skipped.append((s.step, reason if s.named is None else f"{reason} ({s.named})"))
         return ResumeDecision(None, tuple(skipped))
 
     @staticmethod

@@ -30,7 +30,8 @@ file. MindFormers tags every rank's files ``{P}_rank_{r}`` and MindSpore appends
 prefix that already has files in the directory (the k-th restart into it); ``exception_save``
 writes ``..._breakpoint`` with the prefix *without* the restart suffix. So a step's identity
 across ranks is ``(P[_k], epoch, step)`` — the rank tag is dropped (:attr:`ShardName.prefix`), and
-``k`` is the incarnation. A rank tag that names another rank than the directory is kept in the
+``k`` is the incarnation (a breakpoint's ``_n`` is a same-name counter instead: its incarnation is
+unknown, see :func:`parse_shard_name`). A rank tag that names another rank than the directory is kept in the
 prefix: the file is misplaced and must not pass for that rank's shard.
 
 A Checkpoint 2.0 iteration is one step (prefix ``iteration``, epoch 0, step = the iteration); its
@@ -61,11 +62,14 @@ MF_HEALTH = "health_ckpts.json"
 STRATEGY_DIR = "strategy"
 #: MindFormers' per-rank strategy file name: basename of strategy_ckpt_save_file, ``.ckpt`` -> ``_rank_<r>.ckpt``
 MF_STRATEGY_TEMPLATE = "ckpt_strategy_rank_{rank}.ckpt"
+CONVERTED_STRATEGY = "strategy.ckpt"  # a conversion's output strategy file
 _RANK_DIR = re.compile(r"^rank_(0|[1-9][0-9]*)$")
 _SHARD_NAME = re.compile(
     r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)(?P<bp>_breakpoint)?\.(?P<ext>ckpt|safetensors)$")
 # greedy prefix: the *last* ``_rank_<r>`` is the tag ("a_rank_b_rank_0" has base "a_rank_b")
 _RANK_TAG = re.compile(r"^(?P<base>.+)_rank_(?P<rank>0|[1-9][0-9]*)(?:_(?P<k>[1-9][0-9]*))?$")
+# MindFormers names per-rank strategy files after strategy_ckpt_save_file, ".ckpt" -> "_rank_<r>.ckpt";
+# the greedy ".+" makes the *last* "_rank_<r>" the tag; merge_pipeline_strategys' output is not one
 _RANK_STRATEGY = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
 _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
 MF2_TRACKER = "latest_checkpointed_iteration.txt"
@@ -169,17 +173,23 @@ def unusable_name(name: str, layout: Layout = NATIVE) -> str | None:
 
 def parse_shard_name(name: str, rank: int) -> tuple[str, int, int, bool, str, int | None] | None:
     """``(prefix, epoch, step, breakpoint, format, incarnation)`` of a shard file name found in
-    ``rank``'s directory, or None when it is not a checkpoint name (see the module docstring)."""
+    ``rank``'s directory, or None when it is not a checkpoint name (see the module docstring).
+
+    A ``_breakpoint`` file's incarnation is None (unknown): ``exception_save`` names it with the
+    prefix *without* the restart suffix, and the ``_<n>`` after its rank tag is MindSpore's
+    same-name counter over earlier breakpoint files of that directory, not the restart
+    (``toy_rank_0_1-1_4_breakpoint.ckpt`` is the second breakpoint, written by any incarnation).
+    Its prefix keeps that counter, so two breakpoints of one position stay apart."""
     m = _SHARD_NAME.match(name)
     if m is None or max(int(m.group("epoch")), int(m.group("step"))) > MAX_STEP:
         return None
-    prefix, incarnation = m.group("prefix"), None
+    prefix, incarnation, breakpoint = m.group("prefix"), None, bool(m.group("bp"))
     tag = _RANK_TAG.match(prefix)
     if tag is not None and int(tag.group("rank")) == rank:
         k = int(tag.group("k") or 0)
-        prefix, incarnation = tag.group("base") + (f"_{k}" if k else ""), k
+        prefix, incarnation = tag.group("base") + (f"_{k}" if k else ""), None if breakpoint else k
     fmt = "ckpt" if m.group("ext") == "ckpt" else "safetensors"
-    return prefix, int(m.group("epoch")), int(m.group("step")), bool(m.group("bp")), fmt, incarnation
+    return prefix, int(m.group("epoch")), int(m.group("step")), breakpoint, fmt, incarnation
 
 
 def iteration_slot(role: Role, index: int = 0) -> int:
@@ -232,8 +242,7 @@ def classify(root: str, path: str) -> PathKind:
         rank_dir = parts[1]
     elif len(parts) == 4 and parts[1] == MF_CHECKPOINT_DIR:
         rank_dir, layout = parts[2], MINDFORMERS
-    if rank_dir is not None and (rank_match := _RANK_DIR.match(rank_dir)) and int(rank_match.group(1)) <= MAX_RANK:
-        rank = int(rank_match.group(1))
+    if rank_dir is not None and (rank := parse_rank_dir(rank_dir)) is not None:
         if layout == MINDFORMERS and name == MF_META:
             return MetaName(run, rank)
         parsed = parse_shard_name(name, rank)
@@ -255,9 +264,21 @@ def strategy_name(parts: list[str]) -> StrategyName | None:
     if len(parts) == 2:
         return StrategyName(parts[0]) if "strategy" in name else None
     if len(parts) == 3 and parts[1] == STRATEGY_DIR:
-        m = _RANK_STRATEGY.match(name)
-        return StrategyName(parts[0], int(m.group("rank")) if m else None)
+        return StrategyName(parts[0], rank_strategy_rank(name))
     return None
+
+
+def rank_strategy_rank(name: str) -> int | None:
+    """The rank of a per-rank strategy file name in ``strategy/`` (``<base>_rank_<r>.ckpt|json``;
+    None: not one, e.g. ``merged_ckpt_strategy*``, a run-wide file)."""
+    m = _RANK_STRATEGY.match(name)
+    return int(m.group("rank")) if m else None
+
+
+def parse_rank_dir(name: str) -> int | None:
+    """The rank of a ``rank_<r>`` directory name (None: not one, or beyond any job)."""
+    m = _RANK_DIR.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) <= MAX_RANK else None
 
 
 def is_strategy_name(parts: list[str]) -> bool:
@@ -314,6 +335,11 @@ def rank_strategy_path(run_path: str, rank: int) -> str:
 def rank_strategies_dir(run_path: str) -> str:
     """The directory of per-rank strategy files; ckptd catalogues their merge under this path."""
     return os.path.join(run_path, STRATEGY_DIR)
+
+
+def converted_strategy_path(out_dir: str) -> str:
+    """The strategy file of a converted copy (``<out>/strategy.ckpt``, next to its ``rank_<r>/``)."""
+    return os.path.join(out_dir, CONVERTED_STRATEGY)
 
 
 def meta_path(run_path: str, rank: int) -> str:
@@ -382,20 +408,32 @@ def shard_dirs(run_path: str) -> list[tuple[str, Layout]]:
 def rank_dirs(run_path: str, layout: Layout | None = None) -> dict[int, str]:
     """``rank_<r>`` shard directories of a run in its layout (real directories, no symlinks;
     none for Checkpoint 2.0, whose shards live in iteration directories)."""
+    return _list_rank_dirs(_rank_base(run_path, layout))
+
+
+def linked_rank_dirs(run_path: str) -> dict[int, str]:
+    """``rank_<r>`` entries of a run that are symlinks (never followed: rescans skip them)."""
+    return _list_rank_dirs(_rank_base(run_path, None), symlinks=True)
+
+
+def _rank_base(run_path: str, layout: Layout | None) -> str | None:
+    """Where a run's ``rank_<r>`` directories are (None: Checkpoint 2.0 has none)."""
     layout = layout or detect_layout(run_path)
     if layout == CKPT2:
-        return {}
-    return _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path)
+        return None
+    return os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path
 
 
-def _list_rank_dirs(base: str) -> dict[int, str]:
+def _list_rank_dirs(base: str | None, *, symlinks: bool = False) -> dict[int, str]:
     found: dict[int, str] = {}
+    if base is None:
+        return found
     try:
         with os.scandir(base) as it:
             for entry in it:
-                m = _RANK_DIR.match(entry.name)
-                if m and int(m.group(1)) <= MAX_RANK and entry.is_dir(follow_symlinks=False):
-                    found[int(m.group(1))] = entry.path
+                rank = parse_rank_dir(entry.name)
+                if rank is not None and (entry.is_symlink() if symlinks else entry.is_dir(follow_symlinks=False)):
+                    found[rank] = entry.path
     except (FileNotFoundError, NotADirectoryError):
         pass
     return found

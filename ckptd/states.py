@@ -63,6 +63,23 @@ class ShardState(str, enum.Enum):
     SUPERSEDED = "superseded"  # left over from a save under an older layout; not part of the step
 
 
+#: verdicts that say more about the configuration (key, policies) than about the file
+CONFIG_ERROR_CODES = ("key_required", "not_encrypted", "invalid_key", "wrong_key", "policy", "mode_mismatch")
+
+
+def awaits_verification(state: str, stamp: str | None, error_code: str | None, stamp_now: str) -> bool:
+    """Whether a shard still needs a verdict from a daemon whose configuration stamp is
+    ``stamp_now`` (``Settings.verification_stamp``): it has none yet, or its verdict was given
+    under another configuration (key, CRC/encryption policy) and is not trusted — rows from
+    before stamps: when their verdict was a configuration error. Deleted and superseded shards
+    need none."""
+    if state == ShardState.COMPLETE.value:
+        return True
+    if state not in (ShardState.VERIFIED.value, ShardState.CORRUPT.value):
+        return False
+    return error_code in CONFIG_ERROR_CODES if stamp is None else stamp != stamp_now
+
+
 class StepState(str, enum.Enum):
     INCOMPLETE = "incomplete"
     PENDING = "pending"

@@ -21,6 +21,10 @@
    resumes from ckptd's answer (GET /v1/runs/llama-mf/resume names every rank's MindFormers shard)
    and the restart into the same directory writes MindFormers' next-incarnation `..._rank_<r>_1-...`
    files, the recomputed steps bit for bit.
+7. A 4-rank MindFormers-layout job (tp 2 x pp 2, per-rank stage strategy files) written by the real
+   mindspore.save_checkpoint (scripts/demo_mf_pp.py): one shard torn, the next save missing a rank.
+   `ckptd resume --run` answers the newest whole step and says why the other two are skipped; a save
+   written while ckptd runs is answered within a second.
 Everything lands in ./demo-out (recreated on each run).
 """
 
@@ -38,6 +42,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from demo_mf_pp import mindformers_pp_run  # part 7 (scripts/ is on sys.path: this file runs as a script)
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "demo-out"
@@ -73,8 +79,9 @@ def banner(text: str) -> None:
     say(f"\n{BOLD}== {text}{OFF}")
 
 
-def ckptd(*args: str, env: dict[str, str], head: int | None = None, tail: int = 0) -> int:
-    """Run and show one ckptd CLI command (optionally abridged to its first/last lines)."""
+def ckptd(*args: str, env: dict[str, str], head: int | None = None, tail: int = 0, width: int | None = None) -> int:
+    """Run and show one ckptd CLI command (optionally abridged to its first/last lines, each line to
+    ``width`` characters)."""
     say(f"$ ckptd {' '.join(args)}")
     proc = subprocess.run([sys.executable, "-m", "ckptd", *args], env=env, cwd=REPO, capture_output=True, text=True,
                           check=False)
@@ -82,7 +89,7 @@ def ckptd(*args: str, env: dict[str, str], head: int | None = None, tail: int = 
     if head is not None and len(lines) > head + tail + 1:
         lines = lines[:head] + [f"{DIM}  ... {len(lines) - head - tail} more lines ...{OFF}"] + lines[-tail:]
     for line in lines:
-        say(f"  {line}")
+        say(f"  {line if width is None or len(line) <= width else line[:width] + ' ...'}")
     say(f"{DIM}  (exit code {proc.returncode}){OFF}")
     return proc.returncode
 
@@ -108,7 +115,7 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+def wait_until(predicate, what: str, timeout: float = 60.0, interval: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -118,7 +125,7 @@ def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
             pass
         if time.monotonic() > deadline:
             raise SystemExit(f"demo: timed out waiting for {what} (see {OUT / 'ckptd.log'})")
-        time.sleep(0.2)
+        time.sleep(interval)
 
 
 class LossCurve:
@@ -292,6 +299,10 @@ def main() -> int:
         if rc != 0:
             return rc
         rc = mindformers_run(url, env)
+        if rc != 0:
+            return rc
+        rc = mindformers_pp_run(url, ROOT, env, say=say, banner=banner, ckptd=ckptd, get=get,
+                                wait_until=wait_until, fail=fail)
         if rc != 0:
             return rc
     finally:

@@ -31,7 +31,7 @@ def ms_save(ms, path, tensors, **kwargs):
 PG_ADMIN_URL = os.environ.get("CKPTD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
-def _fresh_pg_database() -> tuple[str, callable]:
+def fresh_pg_database() -> tuple[str, callable]:
     """A new empty database on the test server (dropped afterwards), so tests never share state."""
     import uuid
 
@@ -59,7 +59,7 @@ def catalog_url(request, tmp_path):
     if request.param == "sqlite":
         url, drop = f"sqlite:///{tmp_path / 'catalog.db'}", (lambda: None)
     else:
-        url, drop = _fresh_pg_database()
+        url, drop = fresh_pg_database()
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
 
 from ckptd.format.layout import TensorLayout
 from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
@@ -47,11 +50,59 @@ def save_shard(ms, root: Path, run: str, rank: int, step: int, *, tensors=None, 
     return path
 
 
+def save_tp_step(ms, root: Path, run: str, step: int, ranks=range(TP)) -> None:
+    """One step of a tensor-parallel run: its strategy file (once) and the ranks' shards."""
+    if not (root / run / "strategy.ckpt").exists():
+        write_tp_strategy(root / run)
+    for rank in ranks:
+        save_shard(ms, root, run, rank, step)
+
+
+def fast_settings(root: Path, url: str, **overrides):
+    """A test daemon's settings: settle, rescan and debounce short enough for tests to wait seconds."""
+    from ckptd.settings import Settings
+
+    return Settings(root=root, db=url, **({"settle_seconds": 0.2, "rescan_interval": 0.5, "debounce": 0.02} | overrides))
+
+
+def started_daemon(root: Path, url: str, **overrides):
+    """A started in-process daemon with :func:`fast_settings` (stop it)."""
+    from ckptd.daemon import Daemon
+
+    d = Daemon(fast_settings(root, url, **overrides))
+    d.start()
+    return d
+
+
 def query(url: str, sql: str, **params) -> list[tuple]:
     engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         with engine.connect() as conn:
             return [tuple(r) for r in conn.execute(text(sql), params).all()]
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def catalog_snapshot(url: str) -> Iterator[Session]:
+    """A read-only session in which every read sees the same committed state of the catalog.
+
+    A condition made of several reads (:func:`query` opens a connection per call) can combine
+    moments: a count taken before the daemon registered a step and another taken after. Here
+    SQLite reads in one explicit transaction (pysqlite begins one only before a write, so without
+    it each SELECT sees the latest commit), PostgreSQL in one REPEATABLE READ transaction."""
+    from ckptd.catalog.db import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            else:
+                conn.exec_driver_sql("BEGIN")
+            with Session(bind=conn) as s:
+                yield s
+            conn.rollback()
     finally:
         engine.dispose()
 

@@ -45,7 +45,7 @@ _CASES: list = []  # generated once per session, replayed against every server a
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def fuzz_server(request, tmp_path_factory, ms):
     from ckptd.catalog.db import make_engine, upgrade
-    from tests.conftest import _fresh_pg_database
+    from tests.conftest import fresh_pg_database
 
     base = tmp_path_factory.mktemp("fuzz")
     root = base / "root"
@@ -56,7 +56,7 @@ def fuzz_server(request, tmp_path_factory, ms):
     if request.param == "sqlite":
         url, drop = f"sqlite:///{base / 'catalog.db'}", (lambda: None)
     else:
-        url, drop = _fresh_pg_database()
+        url, drop = fresh_pg_database()
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()

@@ -23,8 +23,7 @@ from ckptd.errors import CorruptError
 from ckptd.format import mf2
 from ckptd.service import iteration, tracker
 from ckptd.service.resume import ResumeOptions, resume
-from ckptd.settings import Settings
-from tests.daemon_helpers import query, wait_for, wait_or_stop
+from tests.daemon_helpers import query, started_daemon, wait_for, wait_or_stop
 from tests.mf2_fixtures import PREFIX, make_records, mindformers_checkpoint_path, mindformers_save, write_files, write_tracker
 from tests.mf_fixtures import tear
 
@@ -126,8 +125,7 @@ def _states(url: str, run: str) -> dict[int, tuple[str, str | None]]:
 
 
 def _settle(root: Path, url: str, want: dict[str, dict[int, str]], timeout: float = 60) -> Daemon:
-    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
+    d = started_daemon(root, url)
 
     on_disk = {str(p) for p in root.rglob("*") if isinstance(runlayout.classify(str(root), str(p)), runlayout.ShardName)}
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from ckptd.errors import CkptdError, CorruptError, TruncatedError
-from ckptd.format import ckpt as ckpt_fmt
+from ckptd.format import ckpt_write
 from ckptd.format.checkpoint import open_checkpoint, write_checkpoint
-from ckptd.format.ckpt import TypedArray
+from ckptd.format.ckpt_write import TypedArray
 from ckptd.format.dtypes import bf16_to_float32
 from ckptd.format.verify import verify_file
 from tests.conftest import ms_save
@@ -78,7 +78,7 @@ def test_writer_is_byte_identical_to_mindspore(ms, tmp_path):
     for crc in (False, True):
         ms_path = ms_save(ms, tmp_path / f"ms{crc}.ckpt", tensors, append_dict=append, crc_check=crc)
         buf = io.BytesIO()
-        ckpt_fmt.write_ckpt_stream(buf, [*tensors.items(), *append.items()], crc=crc)
+        ckpt_write.write_ckpt_stream(buf, [*tensors.items(), *append.items()], crc=crc)
         assert buf.getvalue() == ms_path.read_bytes()
 
 
@@ -173,7 +173,7 @@ def test_garbage_is_not_a_checkpoint(tmp_path):
 
 def test_size_mismatch_is_reported_not_raised(tmp_path):
     buf = io.BytesIO()
-    ckpt_fmt.write_ckpt_stream(buf, [("w", np.zeros((2, 2), np.float32))])
+    ckpt_write.write_ckpt_stream(buf, [("w", np.zeros((2, 2), np.float32))])
     raw = bytearray(buf.getvalue())
     # rewrite dims 2x2 -> 2x3 in place (same varint sizes): payload no longer matches the shape
     raw[raw.index(b"\x08\x02\x08\x02") : raw.index(b"\x08\x02\x08\x02") + 4] = b"\x08\x02\x08\x03"
@@ -217,7 +217,7 @@ def test_read_range_spans_split_records(tmp_path):
     # three consecutive records with one tag, as MindSpore writes a >512 MiB tensor
     for part in np.array_split(arr, 3):
         body = memoryview(np.ascontiguousarray(part)).cast("B")
-        buf.write(ckpt_fmt._record_header("big", "Int32", arr.shape, len(body)))
+        buf.write(ckpt_write.record_header("big", "Int32", arr.shape, len(body)))
         buf.write(body)
     path = tmp_path / "split.ckpt"
     path.write_bytes(buf.getvalue())
@@ -231,7 +231,7 @@ def test_read_range_spans_split_records(tmp_path):
 def test_index_cache_reuses_a_parse_only_while_the_file_is_unchanged(tmp_path):
     import os
 
-    from ckptd.format.ckpt import write_ckpt_stream
+    from ckptd.format.ckpt_write import write_ckpt_stream
     from ckptd.format.index_cache import IndexCache
 
     path = tmp_path / "a.ckpt"
@@ -254,7 +254,7 @@ def test_index_cache_reuses_a_parse_only_while_the_file_is_unchanged(tmp_path):
 
 
 def test_index_cache_is_bounded_by_tensor_entries(tmp_path):
-    from ckptd.format.ckpt import write_ckpt_stream
+    from ckptd.format.ckpt_write import write_ckpt_stream
     from ckptd.format.index_cache import IndexCache
 
     cache = IndexCache(max_entries=5)

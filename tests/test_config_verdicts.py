@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ckptd.daemon import Daemon
 from ckptd.settings import Settings
-from tests.daemon_helpers import query, rank_tensors, step_states, wait_for, write_tp_strategy
+from tests.daemon_helpers import query, rank_tensors, started_daemon, step_states, wait_for, write_tp_strategy
 
 KEY = bytes(range(16))
 WRONG = bytes(range(16, 32))
@@ -21,8 +21,7 @@ def _save_encrypted(ms, path: Path, rank: int, step: int) -> None:
 
 
 def _run_until(root: Path, url: str, key_file: Path, want: dict[int, str]) -> None:
-    d = Daemon(Settings(root=root, db=url, key_file=key_file, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
+    d = started_daemon(root, url, key_file=key_file)
     try:
         def settled():
             d.verifier.drain(timeout=10)

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from ckptd import confine
-from ckptd.daemon import Daemon
-from ckptd.settings import Settings
-from tests.daemon_helpers import query, save_shard, step_states, wait_for, write_tp_strategy
+from tests.daemon_helpers import (fast_settings, query, save_shard, save_tp_step, started_daemon, step_states, wait_for,
+                                  write_tp_strategy)
 
 
 @pytest.fixture
@@ -30,12 +29,6 @@ def outside(tmp_path) -> Path:
     o = tmp_path / "outside"
     o.mkdir()
     return o
-
-
-def _daemon(root: Path, url: str) -> Daemon:
-    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
-    return d
 
 
 # --- the one function ------------------------------------------------------------------------------
@@ -75,22 +68,22 @@ def test_open_beneath_refuses_every_escape(root, outside):
 
 @pytest.mark.timeout(120)
 def test_fifos_never_freeze_the_daemon(ms, root, catalog_url):
-    write_tp_strategy(root / "r")
+    save_tp_step(ms, root, "r", 2)
     for rank in range(2):
-        save_shard(ms, root, "r", rank, 2)
         os.mkfifo(root / "r" / f"rank_{rank}" / "net-1_2.ckpt.done")  # the verifier reads sidecars
     (root / "f").mkdir()
     os.mkfifo(root / "f" / "strategy.ckpt")  # the ingest thread reads strategy files
     (root / "f" / "rank_0").mkdir()
     os.mkfifo(root / "f" / "rank_0" / "net-1_2.ckpt")  # named like a shard
-    d = _daemon(root, catalog_url)
+    d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step verified despite the FIFOs")
         assert query(catalog_url, "SELECT count(*) FROM shards WHERE path LIKE :p", p=f"{root / 'f'}%") == [(0,)]
         assert query(catalog_url, "SELECT count(*) FROM strategy_files WHERE path LIKE :p", p=f"{root / 'f'}%") == [(0,)]
     finally:
         d.stop()  # a worker blocked in open() would hold this: the test's timeout fails it
-        assert all(not t.is_alive() for t in threading.enumerate() if t.name.startswith("ckptd-verify"))
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("ckptd-verify") and t.is_alive()]
+        assert not alive, alive
 
 
 def test_symlinks_are_never_followed_at_start_or_while_running(ms, root, outside, catalog_url, caplog):
@@ -106,7 +99,7 @@ def test_symlinks_are_never_followed_at_start_or_while_running(ms, root, outside
     (outside / "hint.json").write_text('{"size": 1, "xxh3_128": "0"}')
     os.symlink(outside / "hint.json", root / "run1" / "rank_0" / "net-1_2.ckpt.done")
     caplog.set_level(logging.INFO)
-    d = _daemon(root, catalog_url)
+    d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
         # the outside strategy was not read, bound or served; the outside sidecar was not believed
@@ -127,10 +120,8 @@ def test_symlinks_are_never_followed_at_start_or_while_running(ms, root, outside
 def test_a_symlinked_converted_directory_cannot_redirect_a_conversion(ms, root, outside, catalog_url):
     from ckptd.service.conversions import convert_step
 
-    write_tp_strategy(root / "run6")
-    for rank in range(2):
-        save_shard(ms, root, "run6", rank, 2)
-    d = _daemon(root, catalog_url)
+    save_tp_step(ms, root, "run6", 2)
+    d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
         os.symlink(outside, root / "run6" / "converted")
@@ -143,9 +134,7 @@ def test_a_symlinked_converted_directory_cannot_redirect_a_conversion(ms, root, 
 
 
 def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, caplog):
-    write_tp_strategy(root / "run")
-    for rank in range(2):
-        save_shard(ms, root, "run", rank, 2)
+    save_tp_step(ms, root, "run", 2)
     os.mkdir(os.path.join(os.fsencode(root), b"bad-\xff-run"))  # not UTF-8
     (root / "run" / "rank_0" / "net-1_99999999999999999999.ckpt").write_bytes(b"x")  # beyond BIGINT
     (root / "run" / "rank_99999999999999999999").mkdir()  # an empty, planted rank directory
@@ -153,7 +142,7 @@ def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, ca
     (root / "run2" / "rank_1").mkdir()  # empty: not a rank of this job
     save_shard(ms, root, "run2", 0, 2)
     caplog.set_level(logging.WARNING)
-    d = _daemon(root, catalog_url)
+    d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"} and
                  len(query(catalog_url, "SELECT id FROM checkpoints")) == 2, 60, what="both runs' steps")
@@ -164,6 +153,65 @@ def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, ca
                               "ORDER BY r.name") == [("run", 2, "verified"), ("run2", 1, "verified")]
     assert "Traceback" not in caplog.text
     assert caplog.text.count("not valid UTF-8") == 1 and caplog.text.count("beyond") == 1
+
+
+def test_a_step_waiting_for_a_file_ckptd_never_reads_says_why(ms, root, outside, catalog_url, caplog):
+    """Finding 9: a rank's file that is a FIFO, a directory or a symlink named like a shard, or a
+    rank directory that is a symlink, left the step incomplete with no reason at all."""
+    kinds = {"fifo": lambda p: os.mkfifo(p), "dir": lambda p: os.mkdir(p),
+             "link": lambda p: os.symlink(outside / "elsewhere.ckpt", p)}
+    (outside / "elsewhere.ckpt").write_bytes(b"x")
+    for run, make in kinds.items():
+        write_tp_strategy(root / run)
+        save_shard(ms, root, run, 1, 2)
+        (root / run / "rank_0").mkdir()
+        make(root / run / "rank_0" / "net-1_2.ckpt")
+    write_tp_strategy(root / "linked")
+    save_shard(ms, root, "linked", 1, 2)
+    save_shard(ms, outside, "elsewhere", 0, 2)
+    os.symlink(outside / "elsewhere" / "rank_0", root / "linked" / "rank_0")
+    caplog.set_level(logging.WARNING)
+    d = started_daemon(root, catalog_url)
+    try:
+        def reasons():
+            rows = query(catalog_url, "SELECT r.name, c.state, c.reason FROM checkpoints c JOIN runs r ON r.id = c.run_id")
+            return {run: (state, reason) for run, state, reason in rows} if len(rows) == 4 and all(
+                reason for _, _, reason in rows) else None
+        got = wait_for(reasons, 60, what="every waiting step to say why")
+        time.sleep(1.2)  # more rescans: reasons and log lines once
+        assert reasons() == got
+    finally:
+        d.stop()
+    assert got["fifo"] == ("incomplete", "rank 0: net-1_2.ckpt is a FIFO, not a regular file: never read")
+    assert got["dir"] == ("incomplete", "rank 0: net-1_2.ckpt is a directory, not a regular file: never read")
+    assert got["link"] == ("incomplete", "rank 0: net-1_2.ckpt is a symlink, not a regular file: never read")
+    assert got["linked"] == ("incomplete", "rank 0: its directory rank_0 is a symlink: never followed")
+    assert caplog.text.count("a rank directory that is a symlink") == 1
+    assert query(catalog_url, "SELECT count(*) FROM shards WHERE rank = 0") == [(0,)]
+
+
+def test_special_files_created_while_running_never_freeze_or_fool_the_daemon(ms, root, catalog_url):
+    """The event path (files appearing while the daemon runs), with a FIFO and a character device
+    (``mknod c 1 3``, what /dev/null is) as sidecars of verified shards and as a shard of a new step."""
+    save_tp_step(ms, root, "r", 2)
+    d = started_daemon(root, catalog_url)
+    try:
+        wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
+        os.mkfifo(root / "r" / "rank_0" / "net-1_2.ckpt.done")
+        os.mknod(root / "r" / "rank_1" / "net-1_2.ckpt.done", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        save_shard(ms, root, "r", 1, 4)
+        os.mknod(root / "r" / "rank_0" / "net-1_4.ckpt", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        for p in ("rank_0/net-1_2.ckpt.done", "rank_1/net-1_2.ckpt.done", "rank_0/net-1_4.ckpt"):
+            d.watcher.poke(str(root / "r" / p))
+        wait_for(lambda: query(catalog_url, "SELECT reason FROM checkpoints WHERE step = 4") ==
+                 [("rank 0: net-1_4.ckpt is a character device, not a regular file: never read",)], 60,
+                 what="step 4 saying why it waits")
+        assert step_states(catalog_url) == {2: "verified", 4: "incomplete"}  # the special sidecars were not believed
+        assert query(catalog_url, "SELECT count(*) FROM shards WHERE path LIKE '%net-1_4.ckpt' AND rank = 0") == [(0,)]
+    finally:
+        d.stop()
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("ckptd-verify") and t.is_alive()]
+        assert not alive, alive
 
 
 def test_healthz_reports_a_worker_without_progress(ms, root, catalog_url):
@@ -177,8 +225,7 @@ def test_healthz_reports_a_worker_without_progress(ms, root, catalog_url):
     big = {"w": np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32),
            "b": np.zeros(3, np.float32), "pad": np.ones((4096, 16384), np.float32)}  # 256 MiB to verify
     save_shard(ms, root, "big", 0, 2, tensors=big)
-    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
-                        worker_stall_seconds=0.01)
+    settings = fast_settings(root, catalog_url, worker_stall_seconds=0.01)
     seen: set[tuple[int, str]] = set()
     with Server(settings) as srv, srv.client() as c:
         deadline = time.monotonic() + 60
@@ -186,7 +233,8 @@ def test_healthz_reports_a_worker_without_progress(ms, root, catalog_url):
             r = c.get("/healthz")
             seen.add((r.status_code, r.json()["status"]))
             if r.status_code == 503:
-                assert r.json()["stalled"] and all(v > 0.01 for v in r.json()["stalled"].values())
+                # seconds are reported rounded to 0.01: a worker just past the threshold reads 0.01
+                assert r.json()["stalled"] and all(v >= 0.01 for v in r.json()["stalled"].values())
         wait_for(lambda: query(catalog_url, "SELECT count(*) FROM shards WHERE state = 'verified'") == [(1,)], 60,
                  what="the big shard verified")
         wait_for(lambda: c.get("/healthz").json()["status"] == "ok", 30, what="healthy again")  # progress again

@@ -417,7 +417,7 @@ def test_streamed_output_is_byte_identical_to_write_checkpoint(tmp_path, monkeyp
     from ckptd.convert import plan_types
     from ckptd.format import ckpt as ckpt_fmt
     from ckptd.format.checkpoint import write_checkpoint
-    from ckptd.format.ckpt import TypedArray
+    from ckptd.format.ckpt_write import TypedArray
     from ckptd.format.layout import TensorLayout, slice_for_rank
     from ckptd.format.strategy import ParamStrategy, Strategy, save_strategy
 

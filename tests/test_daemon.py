@@ -238,10 +238,10 @@ def test_daemon_killed_during_ingest_converges_after_restart(ms, root, catalog_u
 
 @pytest.mark.slow
 def test_two_daemons_on_one_postgres_catalog(ms, root, tmp_path):
-    from tests.conftest import _fresh_pg_database
+    from tests.conftest import fresh_pg_database
     from ckptd.catalog.db import upgrade
 
-    url, drop = _fresh_pg_database()
+    url, drop = fresh_pg_database()
     try:
         engine = make_engine(url)
         upgrade(engine)

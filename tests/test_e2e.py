@@ -24,7 +24,7 @@ import pytest
 from tests import trainer_helpers as th
 from tests.daemon_helpers import query, wait_for
 from trainer.oracle import committed_steps, wait_for_verdicts
-from trainer.scan_resume import _intact
+from trainer.scan_resume import shard_intact
 from tests.api_helpers import free_port, stop_process
 
 STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
@@ -148,7 +148,7 @@ def test_killed_rank_resumes_from_ckptd_verified_step_exactly(ckptd, ref):
     assert [(e["rank"], e["path"]) for e in answer["shards"]] == [(r, th.shard(run_dir, r, 6)) for r in range(2)]
     assert answer["strategy_file"] == str(run_dir / "strategy.ckpt")
     assert answer["skipped"] == []  # step 8 was never reached by the killed attempt
-    assert all(_intact(s["path"]) for s in answer["shards"])  # size + xxh3 match the trainer's own sidecar
+    assert all(shard_intact(s["path"]) for s in answer["shards"])  # size + xxh3 match the trainer's own sidecar
     # ... and ckptd's catalog shows that step (and every other save) verified, shard by shard
     steps = {s["step"]: s for s in ckptd.get(f"/v1/runs/{run}/steps").json()}
     assert steps[6]["state"] == "verified" and steps[6]["restorable"]

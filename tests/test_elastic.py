@@ -218,11 +218,11 @@ def test_relaunch_at_tp4_resumes_from_ckptd_conversion(ckptd, source, monkeypatc
 
 def _answer_at(server: Ckptd, run: str, step: int, world: int):
     """The oracle's answer as a launcher of ``world`` ranks saw it before anything newer was saved."""
-    from trainer.oracle import _interpret
+    from trainer.oracle import interpret_answer
 
     body = server.get(f"/v1/runs/{run}/resume?max_step={step}&world_size={world}").json()
     assert body["step"] == step, body
-    return _interpret(body, world, "ckptd")
+    return interpret_answer(body, world, "ckptd")
 
 
 def launch_as(server: Ckptd, run_dir: Path, tp: int, dp: int, admin: str, *train_args: str) -> tuple[int, str]:

@@ -23,6 +23,7 @@ from ckptd.format import ckpt as ckpt_fmt
 from ckptd.format import limits
 from ckptd.format import protowire as pw
 from ckptd.format import safetensors_format as sf
+from ckptd.format import safetensors_write as sw
 from ckptd.format.checkpoint import open_checkpoint, write_checkpoint
 from ckptd.format.entry import TensorEntry
 from ckptd.format.index_cache import IndexCache
@@ -390,7 +391,7 @@ def test_writers_of_the_safetensors_library_emit_the_compact_form(tmp_path):
     arrays = {"w": np.ones((2, 3), np.float32), "b": np.arange(4, dtype=np.int64), "s": np.array(3, np.int8),
               'odd "näme"\t/€': np.zeros(0, np.float16)}
     safetensors.numpy.save_file(arrays, str(tmp_path / "ref.safetensors"), metadata={"format": "ms", "k": 'v"\\'})
-    sf.write_safetensors(tmp_path / "ours.safetensors", arrays, crc=True, dtypes={"s": "Int4"})
+    sw.write_safetensors(tmp_path / "ours.safetensors", arrays, crc=True, dtypes={"s": "Int4"})
     for name in ("ref.safetensors", "ours.safetensors"):
         blob = (tmp_path / name).read_bytes()
         (n,) = struct.unpack_from("<Q", blob)
@@ -451,7 +452,7 @@ def test_compact_scanner_and_json_parser_agree(tmp_path_factory, header, pad, ex
 @given(data=st.data())
 def test_compact_scanner_and_json_parser_agree_on_damaged_headers(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("stflip") / "f.safetensors"
-    sf.write_safetensors(path, {"w": np.ones((2, 3), np.float32), "b": np.arange(3, dtype=np.int8), 'q"\\': np.zeros(1)},
+    sw.write_safetensors(path, {"w": np.ones((2, 3), np.float32), "b": np.arange(3, dtype=np.int8), 'q"\\': np.zeros(1)},
                          crc=True, dtypes={"b": "Int4"})
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack_from("<Q", raw)

@@ -12,14 +12,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-
+from sqlalchemy import text
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
+from ckptd.format.strategy import save_strategy
 from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
-from ckptd.settings import Settings
-from tests.daemon_helpers import query, wait_for, wait_or_stop
+from tests.daemon_helpers import catalog_snapshot, query, started_daemon, wait_for, wait_or_stop
 from tests.mf_fixtures import RESUME_SCENARIOS, MFJob, tear, write_health
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mindformers"
@@ -40,8 +40,7 @@ def _states(url: str, run: str) -> dict[tuple[int, int, int | None], str]:
 
 
 def _settle(root: Path, url: str, run: str, want: dict, timeout: float = 60) -> Daemon:
-    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
+    d = started_daemon(root, url)
 
     def check():
         d.verifier.drain(timeout=10)
@@ -85,6 +84,7 @@ def test_tp2_pp2_newest_whole_step_torn_and_incomplete_skipped(ms, root, catalog
 
     answer = _resume(catalog_url, "job")
     assert answer["step"] == 20 and answer["global_step"] == 20 and answer["layout"] == "mindformers"
+    assert answer["strategy_file"] == str(root / "job" / "strategy")  # the per-rank files' directory
     assert [s["path"] for s in answer["shards"]] == [str(job.path(r, 20)) for r in range(4)]
     mf = answer["mindformers"]
     assert mf["load_checkpoint"] == str(root / "job" / "checkpoint")
@@ -112,6 +112,21 @@ def test_restart_incarnations_newest_complete_wins(ms, root, catalog_url):
     assert (answer["global_step"], answer["incarnation"]) == (12, 1)
     assert answer["mindformers"]["resume_training"] == "llama_rank_0_1-2_4.ckpt"
 
+
+
+def test_a_skipped_step_without_a_global_step_is_named_by_its_files(ms, root, catalog_url):
+    """An incomplete save of global step 12 is named epoch 2 step 4 by MindFormers: until it
+    verifies, its 'step' is the in-epoch 4, which a reader would take for global step 4."""
+    job = MFJob(root / "job", tp=2, dp=2, steps_per_epoch=8)
+    job.strategy_files()
+    job.save(4)
+    job.save(12, ranks=[0, 2])
+    d = _settle(root, catalog_url, "job", {(1, 4, 0): "verified", (2, 4, 0): "incomplete"})
+    d.stop()
+    answer = _resume(catalog_url, "job")
+    assert answer["global_step"] == 4
+    (skip,) = answer["skipped"]
+    assert skip["reason"].startswith("incomplete") and "files named epoch 2 step 4" in skip["reason"], skip
 
 
 def test_dying_gasp_subset_that_covers_is_whole_and_one_that_does_not_is_incomplete(ms, root, catalog_url):
@@ -182,8 +197,7 @@ def test_strategy_files_missing_a_rank_or_disagreeing_are_specific_problems(ms, 
     files = job.strategy_files()
     os.remove(files[3])  # stage 1's second rank never wrote its strategy file
     job.save(10)
-    d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
+    d = started_daemon(root, catalog_url)
     try:
         merged_row = "SELECT error FROM strategy_files WHERE path = :p"
         where = str(root / "job" / "strategy")
@@ -195,6 +209,30 @@ def test_strategy_files_missing_a_rank_or_disagreeing_are_specific_problems(ms, 
         assert "strategy" in reason and "3" in reason
     finally:
         d.stop()
+
+
+def test_strategy_files_that_describe_replicas_as_tensor_parallel_ranks_are_a_problem(ms, root, catalog_url):
+    """tp2 x dp2 shards under per-rank tp4 strategy files: every shape is a possible tp4 slice (a
+    strategy file has no full shapes), but ranks 0 and 2 hold the same bytes where tp4 would give
+    them different slices. The step is corrupt with that reason, not answered for resume."""
+    job = MFJob(root / "job", tp=2, dp=2)
+    job.strategy_dir.mkdir(parents=True)
+    lie = MFJob(root.parent / "other", tp=4, dp=1).strategy(0)
+    for r in range(4):
+        save_strategy(lie, job.strategy_dir / f"ckpt_strategy_rank_{r}.ckpt")
+    job.save(10)
+    d = started_daemon(root, catalog_url)
+    try:
+        wait_for(lambda: _states(catalog_url, "job").get((1, 10, 0)) == "corrupt", 30, what="step 10 corrupt")
+        (reason,) = query(catalog_url, "SELECT reason FROM checkpoints")[0]
+        assert "holds the same bytes as rank 0" in reason and "different slices" in reason, reason
+    finally:
+        d.stop()
+    honest = MFJob(root / "honest", tp=2, dp=2)
+    honest.strategy_files()
+    honest.save(10)
+    d = _settle(root, catalog_url, "honest", {(1, 10, 0): "verified"})
+    d.stop()
 
 
 def test_mindformers_own_files_are_catalogued_and_resumed(ms, root, catalog_url):
@@ -247,29 +285,36 @@ def test_ckptd_against_mindformers_own_resume_choice(ms, root, tmp_path, scenari
     engine.dispose()
     want_step, want_loadable = CKPTD_ANSWERS[s.name]
     on_disk = sum(1 for p in (root / "job" / "checkpoint").rglob("*") if p.suffix in (".ckpt", ".safetensors"))
-    d = Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
-    d.start()
+    d = started_daemon(root, url)
     try:
         def settled():
+            """The answer, once every file is catalogued and verified and every step judged, all read in one
+            snapshot of the catalog. (Separate reads once passed with the newest step registered just after
+            the count of unverified shards was taken: the answer, read next, was the step before it.)"""
             d.verifier.drain(timeout=10)
-            states = set(_states(url, "job").values())
-            unverified = query(url, "SELECT count(*) FROM shards WHERE state = 'complete'")[0][0]
-            catalogued = query(url, "SELECT count(*) FROM shards")[0][0]
-            return (states and not states & {"pending"} and not unverified and catalogued == on_disk
-                    and _answer_or_none(url) is not None)
-        wait_for(settled, 30, what="steps settled")
-        answer = _resume(url, "job")
+            with catalog_snapshot(url) as s:
+                catalogued, unverified = s.execute(text(
+                    "SELECT count(*), count(*) FILTER (WHERE state = 'complete') FROM shards")).one()
+                states = set(s.execute(text(
+                    "SELECT c.state FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                    "WHERE r.name = 'job' AND c.kind = 'trained'")).scalars())
+                unjudged = s.execute(text(  # its shards all verified, its step checks not run yet
+                    "SELECT count(*) FROM checkpoints c WHERE c.kind = 'trained' AND c.step_checks_ok IS NULL "
+                    "AND EXISTS (SELECT 1 FROM shards x WHERE x.checkpoint_id = c.id AND x.state = 'verified') "
+                    "AND NOT EXISTS (SELECT 1 FROM shards x WHERE x.checkpoint_id = c.id "
+                    "AND x.state NOT IN ('verified', 'superseded'))")).scalar_one()
+                if catalogued != on_disk or unverified or unjudged or not states or "pending" in states:
+                    return None
+                try:
+                    return resume(s, "job", ResumeOptions(lease=False))
+                except NoRestorableStepError:
+                    return None
+
+        answer = wait_for(settled, 30, what="steps settled")
     finally:
         d.stop()
     assert (answer["global_step"], answer["mindformers"]["loadable_by_mindformers"]) == (want_step, want_loadable)
     assert {e["rank"] for e in answer["shards"]} == set(range(job.world))
-
-
-def _answer_or_none(url: str) -> dict | None:
-    try:
-        return _resume(url, "job")
-    except NoRestorableStepError:
-        return None
 
 
 def test_serve_answers_a_tp2_pp2_mindformers_run_and_picks_up_a_live_save(ms, root, tmp_path, catalog_url):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ckptd.runlayout import ShardName, StrategyName, classify, resolves_inside
+from ckptd.runlayout import MINDFORMERS, ShardName, StrategyName, classify, resolves_inside
 
 ROOT = "/ckpt"
 
@@ -36,6 +36,26 @@ ROOT = "/ckpt"
     ],
 )
 def test_classify(rel, want):
+    assert classify(ROOT, os.path.normpath(os.path.join(ROOT, rel))) == want
+
+
+@pytest.mark.parametrize(
+    "rel, want",
+    [
+        # a restart's files: the _k after the rank tag is the incarnation
+        ("toy/checkpoint/rank_0/toy_rank_0-2_6.ckpt", ShardName("toy", 0, "toy", 2, 6, False, "ckpt", MINDFORMERS, 0)),
+        ("toy/checkpoint/rank_0/toy_rank_0_1-1_3.ckpt",
+         ShardName("toy", 0, "toy_1", 1, 3, False, "ckpt", MINDFORMERS, 1)),
+        # exception_save: prefix without the restart suffix, so no incarnation can be read off the name ...
+        ("toy/checkpoint/rank_0/toy_rank_0-1_4_breakpoint.ckpt",
+         ShardName("toy", 0, "toy", 1, 4, True, "ckpt", MINDFORMERS, None)),
+        # ... and its _1 is MindSpore's same-name counter over earlier breakpoints, not incarnation 1
+        ("toy/checkpoint/rank_0/toy_rank_0_1-1_4_breakpoint.ckpt",
+         ShardName("toy", 0, "toy_1", 1, 4, True, "ckpt", MINDFORMERS, None)),
+        ("toy/rank_2/toy_rank_2_3-1_4_breakpoint.ckpt", ShardName("toy", 2, "toy_3", 1, 4, True, "ckpt", "native", None)),
+    ],
+)
+def test_classify_incarnation(rel, want):
     assert classify(ROOT, os.path.normpath(os.path.join(ROOT, rel))) == want
 
 

@@ -33,6 +33,7 @@ from ckptd.errors import (
     UnsupportedDtypeError,
 )
 from ckptd.format import safetensors_format as sf
+from ckptd.format import safetensors_write as sw
 from ckptd.format.dtypes import bf16_to_float32, float32_to_bf16
 from ckptd.format.source import MmapSource
 
@@ -183,7 +184,7 @@ def test_every_dtype_matches_mindspore(tmp_path: Path, crc_check: bool, remove_r
     assert idx.data_start == 8 + struct.unpack_from("<Q", theirs)[0]
 
     extra = {} if remove_redundancy is None else {"remove_redundancy": str(remove_redundancy)}
-    sf.write_safetensors(tmp_path / "ours.safetensors", arrays.items(), metadata=extra, crc=crc_check, dtypes=forced)
+    sw.write_safetensors(tmp_path / "ours.safetensors", arrays.items(), metadata=extra, crc=crc_check, dtypes=forced)
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert_same_file(theirs, ours)
 
@@ -205,14 +206,14 @@ def test_mindspore_header_layout_is_what_we_reproduce(tmp_path: Path) -> None:
         '"d":{"dtype":"BOOL","shape":[1],"data_offsets":[17,18]}}'
     )
     assert len(header) % 8 == 0 and len(data) == 18
-    sf.write_safetensors(tmp_path / "o.safetensors", arrays.items())
+    sw.write_safetensors(tmp_path / "o.safetensors", arrays.items())
     assert (tmp_path / "o.safetensors").read_bytes() == blob  # one metadata key: exact bytes
 
 
 def test_empty_checkpoint_matches_mindspore(tmp_path: Path) -> None:
     theirs = ms_save(tmp_path / "e.safetensors", {}, crc_check=True, remove_redundancy=False)
     assert theirs == b"\x08" + b"\x00" * 7 + b"{}      "  # MindSpore drops the metadata when empty
-    sf.write_safetensors(tmp_path / "o.safetensors", [], crc=True, metadata={"remove_redundancy": "False"})
+    sw.write_safetensors(tmp_path / "o.safetensors", [], crc=True, metadata={"remove_redundancy": "False"})
     assert (tmp_path / "o.safetensors").read_bytes() == theirs
     idx, got, crc = index_file(tmp_path / "o.safetensors")
     assert idx.entries == [] and idx.metadata == {} and idx.crc_stored is None and crc == 0
@@ -231,7 +232,7 @@ def test_bfloat16_bits_from_mindspore(tmp_path: Path) -> None:
     scalar_bits = np.frombuffer(ms.Tensor(np.array(2.5, np.float32), ms.bfloat16).get_bytes(), "<u2").reshape(())
     tensors = {"w.bf16": bits, "s.bf16": scalar_bits, "w.f32": f32}
     forced = {"w.bf16": "BFloat16", "s.bf16": "BFloat16"}
-    sf.write_safetensors(tmp_path / "b.safetensors", tensors.items(), dtypes=forced, crc=True)
+    sw.write_safetensors(tmp_path / "b.safetensors", tensors.items(), dtypes=forced, crc=True)
 
     specs = {
         k: safetensors.TensorSpec(dtype="bfloat16" if k in forced else v.dtype.name, shape=v.shape, data_ptr=v.ctypes.data, data_len=v.nbytes)
@@ -254,10 +255,10 @@ def test_scalar_crc_quirk(tmp_path: Path, value: int, dtype: type) -> None:
         theirs = ms_save(tmp_path / "m.safetensors", to_ms(arrays, {}), crc_check=True)
         idx, _, crc = index_file(tmp_path / "m.safetensors")
         assert crc == idx.crc_stored == mindspore_crc(arrays)
-        sf.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
+        sw.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
         assert_same_file(theirs, (tmp_path / "o.safetensors").read_bytes())
     else:  # 1 TiB of zeros for MindSpore; O(log n) for ckptd
-        sf.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
+        sw.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
         idx, _, crc = index_file(tmp_path / "o.safetensors")
         expected = zlib.crc32(b"global_step")
         expected = sf.crc32_zeros(sf.crc32_zeros(expected, 2**40), 5)
@@ -270,10 +271,10 @@ def test_negative_scalar_crc_is_an_error_like_mindspore(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="negative count"):
         ms_save(tmp_path / "m.safetensors", to_ms(arrays, {}), crc_check=True)
     with pytest.raises(FormatError, match="negative"):
-        sf.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
+        sw.write_safetensors(tmp_path / "o.safetensors", arrays.items(), crc=True)
     assert not (tmp_path / "o.safetensors").exists()
     theirs = ms_save(tmp_path / "m2.safetensors", to_ms(arrays, {}))  # fine without crc
-    sf.write_safetensors(tmp_path / "o2.safetensors", arrays.items())
+    sw.write_safetensors(tmp_path / "o2.safetensors", arrays.items())
     assert (tmp_path / "o2.safetensors").read_bytes() == theirs
     with MmapSource(tmp_path / "o2.safetensors") as src:
         idx = sf.index_safetensors(src)
@@ -458,14 +459,14 @@ def test_writer_input_errors(tmp_path: Path) -> None:
     ]
     for tensors, forced, message in cases:
         with pytest.raises(CkptdError, match=message):
-            sf.write_safetensors(out, tensors, dtypes=forced)
+            sw.write_safetensors(out, tensors, dtypes=forced)
         assert not out.exists()
     with pytest.raises(CkptdError, match="metadata"):
-        sf.write_safetensors(out, [("a", np.ones(2))], metadata={"k": 1})  # type: ignore[dict-item]
-    sf.write_safetensors(out, [("a", np.ones(2))])
+        sw.write_safetensors(out, [("a", np.ones(2))], metadata={"k": 1})  # type: ignore[dict-item]
+    sw.write_safetensors(out, [("a", np.ones(2))])
     with pytest.raises(CkptdError, match="overwrite"):
-        sf.write_safetensors(out, [("a", np.ones(2))])
-    sf.write_safetensors(out, {"a": np.zeros(2)}, overwrite=True)
+        sw.write_safetensors(out, [("a", np.ones(2))])
+    sw.write_safetensors(out, {"a": np.zeros(2)}, overwrite=True)
     assert safetensors.numpy.load_file(out)["a"].tolist() == [0.0, 0.0]
 
 
@@ -474,15 +475,16 @@ def test_writer_python_scalars_and_views(tmp_path: Path) -> None:
     base = np.arange(12, dtype=np.float64).reshape(3, 4)
     values = {"epoch_num": 3, "lr": 0.5, "flag": True, "t": base.T, "stride": base[:, ::2]}
     theirs = ms_save(tmp_path / "m.safetensors", {k: ms.Tensor(v) for k, v in values.items()}, crc_check=True)
-    sf.write_safetensors(tmp_path / "o.safetensors", values.items(), crc=True)
+    sw.write_safetensors(tmp_path / "o.safetensors", values.items(), crc=True)
     assert_same_file(theirs, (tmp_path / "o.safetensors").read_bytes())
 
 
 def test_runtime_does_not_import_safetensors() -> None:
-    tree = ast.parse(Path(sf.__file__).read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "safetensors" not in imported and "mindspore" not in imported
+    for module in (sf, sw):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "safetensors" not in imported and "mindspore" not in imported, module.__name__
 
 
 # --- properties --------------------------------------------------------------------------------
@@ -528,7 +530,7 @@ def second_opinion(arrays: dict[str, np.ndarray], forced: dict[str, str], metada
 def test_roundtrip_property(tmp_path: Path, case: tuple[bool, tuple[dict[str, np.ndarray], dict[str, str]]]) -> None:
     crc, (arrays, forced) = case
     out = tmp_path / "p.safetensors"
-    sf.write_safetensors(out, arrays.items(), crc=crc, dtypes=forced, overwrite=True)
+    sw.write_safetensors(out, arrays.items(), crc=crc, dtypes=forced, overwrite=True)
     ours = out.read_bytes()
     idx, got, computed = index_file(out, crc)
     assert [e.name for e in idx.entries] == sorted(arrays)

@@ -1,7 +1,7 @@
 """Jobs and conversions left running by a dead process (issue 15, finding 4).
 
 Real processes: a ``ckptd serve`` or ``ckptd convert --run`` is stopped half-way through a
-conversion by the ``CKPTD_FAULT_CONVERT_SIGNAL_AT`` hook (SIGSTOP once 30 % of the output is
+conversion by the test harness (``tests.fault_convert``: SIGSTOP once 30 % of the output is
 written, so the temp tree is half full), then SIGKILLed — or left alive — and a recovering
 process (``jobs.recover_abandoned``, what the daemon runs at start) judges what it left.
 """
@@ -25,7 +25,7 @@ import pytest
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.catalog.db import make_engine
-from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run
+from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, as_utc
 from ckptd.convert.execute import TMP_PREFIX
 from ckptd.service import jobs
 from ckptd.service.resume import RESUME_LEASE
@@ -63,22 +63,29 @@ def _job(ms, root: Path) -> None:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1", PYTHONPATH=str(REPO))
-    env.pop("CKPTD_FAULT_CONVERT_SIGNAL_AT", None)
-    return env | extra
+    return dict(os.environ, CKPTD_SETTLE_SECONDS="0.2", CKPTD_RESCAN_INTERVAL="1", PYTHONPATH=str(REPO)) | extra
+
+
+def _ckptd(*args: str, stop_mid_conversion: bool = False) -> list[str]:
+    """The command line of a ckptd process; ``stop_mid_conversion``: it stops itself (SIGSTOP)
+    once 30 % of a conversion's output is written."""
+    if stop_mid_conversion:
+        return [sys.executable, "-m", "tests.fault_convert", "0.3", "STOP", "--", *args]
+    return [sys.executable, "-m", "ckptd", *args]
 
 
 class Serve:
     """A ``ckptd serve`` process with an admin token."""
 
-    def __init__(self, tmp: Path, root: Path, db: str, **env: str) -> None:
+    def __init__(self, tmp: Path, root: Path, db: str, *, stop_mid_conversion: bool = False, **env: str) -> None:
         tokens = tmp / "tokens"
         tokens.write_text(f"admin {ADMIN}\n")
         self.port = free_port()
         self.log = tmp / f"serve-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ckptd", "serve", "--root", str(root), "--port", str(self.port), "--db", db],
+                _ckptd("serve", "--root", str(root), "--port", str(self.port), "--db", db,
+                       stop_mid_conversion=stop_mid_conversion),
                 cwd=REPO, env=_env(CKPTD_TOKEN_FILE=str(tokens), **env), stdout=out, stderr=subprocess.STDOUT)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
                                    headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
@@ -123,7 +130,7 @@ def _conversion_states(url: str) -> list[tuple]:
 
 
 def _stop_mid_conversion(proc: subprocess.Popen, root: Path, url: str) -> Path:
-    """Wait until the hook stopped ``proc`` half-way; the running row and its half-full temp tree."""
+    """Wait until ``proc`` stopped itself half-way; the running row and its half-full temp tree."""
     wait_for(lambda: proc.poll() is not None or _stopped(proc.pid), timeout=120, what="the conversion to stop half-way")
     assert proc.poll() is None, "the converting process exited instead of stopping"
     (tree,) = _temp_trees(root)
@@ -135,11 +142,11 @@ def _stop_mid_conversion(proc: subprocess.Popen, root: Path, url: str) -> Path:
 def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(ms, root, catalog_url, tmp_path, sessions):
     """Before: the row stayed ``running`` forever, the temp tree stayed, and retention kept the
     source step as "in use by a conversion" for good."""
-    from ckptd.service.retention import _lineage_ids
+    from ckptd.service.retention import lineage_ids
     from ckptd.service.resume import step_infos
 
     _job(ms, root)
-    srv = Serve(tmp_path, root, catalog_url, CKPTD_FAULT_CONVERT_SIGNAL_AT="0.3:STOP")
+    srv = Serve(tmp_path, root, catalog_url, stop_mid_conversion=True)
     try:
         wait_for(lambda: _verified(catalog_url, {100, 200}), timeout=60, what="steps verified")
         job = srv.client.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": "none"})
@@ -153,7 +160,7 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
     (conv_id, _, _), = _conversion_states(catalog_url)
     with sessions() as s:
         src_id = s.get(ConversionJob, conv_id).source_checkpoint_id
-        assert src_id in _lineage_ids(s)  # pinned against gc by a conversion nobody runs any more
+        assert src_id in lineage_ids(s)  # pinned against gc by a conversion nobody runs any more
     assert query(catalog_url, "SELECT state FROM jobs WHERE id = :i", i=job.json()["id"]) == [("running",)]
 
     report = jobs.recover_abandoned(sessions, str(root))  # what the next daemon start runs
@@ -169,9 +176,9 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
     assert jstate == "failed" and jerror.startswith("abandoned: ")
     now = datetime.now(timezone.utc)
     with sessions() as s:
-        assert src_id not in _lineage_ids(s)
+        assert src_id not in lineage_ids(s)
         lease = s.get(Checkpoint, src_id).lease_until
-        assert lease is not None and jobs._aware(lease) <= now + RESUME_LEASE  # a resume answer's lease at most
+        assert lease is not None and as_utc(lease) <= now + RESUME_LEASE  # a resume answer's lease at most
         # once a resume lease would have run out, retention may take the step again
         info = next(i for i in step_infos(s, s.get(Checkpoint, src_id).run_id, now + RESUME_LEASE) if i.id == src_id)
         assert not info.in_use
@@ -192,7 +199,7 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
 
 def test_serve_restarted_after_a_kill_mid_conversion_recovers_by_itself(ms, root, catalog_url, tmp_path):
     _job(ms, root)
-    srv = Serve(tmp_path, root, catalog_url, CKPTD_FAULT_CONVERT_SIGNAL_AT="0.3:STOP")
+    srv = Serve(tmp_path, root, catalog_url, stop_mid_conversion=True)
     try:
         wait_for(lambda: _verified(catalog_url, {100, 200}), timeout=60, what="steps verified")
         assert srv.client.post("/v1/runs/run1/conversions", json={"step": 100, "to_strategy": "none"}).status_code == 202
@@ -211,9 +218,10 @@ def test_serve_restarted_after_a_kill_mid_conversion_recovers_by_itself(ms, root
         srv.stop()
 
 
-def _cli_convert(root: Path, url: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy",
-                             "none", "--json"], cwd=REPO, env=_env(CKPTD_DB=url, CKPTD_ROOT=str(root), **env),
+def _cli_convert(root: Path, url: str, stop_mid_conversion: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(_ckptd("convert", "--run", "run1", "--step", "100", "--to-strategy", "none", "--json",
+                                   stop_mid_conversion=stop_mid_conversion),
+                            cwd=REPO, env=_env(CKPTD_DB=url, CKPTD_ROOT=str(root)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -228,7 +236,7 @@ def test_conversion_of_a_live_process_is_left_alone(ms, root, catalog_url, sessi
     """``ckptd convert --run`` is alive (stopped, not dead) while a daemon starts on the same
     machine: its job and conversion stay running, its temp tree stays, and it finishes."""
     _catalogued(ms, root, catalog_url)
-    cli = _cli_convert(root, catalog_url, CKPTD_FAULT_CONVERT_SIGNAL_AT="0.3:STOP")
+    cli = _cli_convert(root, catalog_url, stop_mid_conversion=True)
     try:
         tree = _stop_mid_conversion(cli, root, catalog_url)
         (job,) = query(catalog_url, "SELECT id, kind, state, params FROM jobs")
@@ -254,10 +262,10 @@ def test_conversion_elsewhere_is_judged_by_its_heartbeat(ms, root, catalog_url, 
     decides. The stopped ``ckptd convert`` renews nothing, so it counts as gone once it was silent
     for longer than the timeout — never before."""
     _catalogued(ms, root, catalog_url)
-    cli = _cli_convert(root, catalog_url, CKPTD_FAULT_CONVERT_SIGNAL_AT="0.3:STOP")
+    cli = _cli_convert(root, catalog_url, stop_mid_conversion=True)
     try:
         tree = _stop_mid_conversion(cli, root, catalog_url)
-        monkeypatch.setattr(jobs, "_machine", lambda: {"host": "other-node", "boot": "another-boot", "pidns": "pid:[1]"})
+        monkeypatch.setattr(jobs, "this_machine", lambda: {"host": "other-node", "boot": "another-boot", "pidns": "pid:[1]"})
         assert jobs.recover_abandoned(sessions, str(root), timeout=60)["jobs"] == []
         assert tree.exists()
         time.sleep(1.5)
@@ -287,7 +295,7 @@ def test_heartbeat_keeps_a_live_job_elsewhere_running(root, sessions, monkeypatc
     try:
         doc = runner.start("verify", "run1", {"run": "run1"}, 1, lambda progress: release.wait(30) and {})
         assert doc["owner"]["pid"] == os.getpid()
-        monkeypatch.setattr(jobs, "_machine", lambda: {"host": "other-node", "boot": "another-boot", "pidns": "pid:[1]"})
+        monkeypatch.setattr(jobs, "this_machine", lambda: {"host": "other-node", "boot": "another-boot", "pidns": "pid:[1]"})
         deadline = time.monotonic() + 1.5  # three timeouts: only the heartbeat keeps it alive
         while time.monotonic() < deadline:
             assert jobs.recover_abandoned(sessions, str(root), timeout=0.5)["jobs"] == []
@@ -304,9 +312,10 @@ def test_heartbeat_keeps_a_live_job_elsewhere_running(root, sessions, monkeypatc
 def test_jobs_queued_when_the_runner_stops_are_failed_not_left_queued(root, sessions):
     _run_row(sessions, root)
     runner = _runner(sessions)
-    release = threading.Event()
-    first = runner.start("verify", "run1", {}, 1, lambda progress: release.wait(30) and {})
+    running, release = threading.Event(), threading.Event()
+    first = runner.start("verify", "run1", {}, 1, lambda progress: running.set() or release.wait(30) and {})
     second = runner.start("verify", "run1", {}, 1, lambda progress: {})
+    assert running.wait(10)  # close() before the thread took the first job would cancel both, rightly
     closing = threading.Thread(target=runner.close)
     closing.start()
     time.sleep(0.2)

@@ -14,8 +14,7 @@ from ckptd.catalog.models import Checkpoint
 from ckptd.daemon import Daemon
 from ckptd.service.stepcheck import ShardFacts, ShardRef, shard_facts
 from ckptd.service.verifier import FACTS_IN_PASS_BYTES
-from ckptd.settings import Settings
-from tests.daemon_helpers import query, rank_tensors, step_states, wait_for, write_tp_strategy
+from tests.daemon_helpers import fast_settings, query, rank_tensors, step_states, wait_for, write_tp_strategy
 
 KEY = bytes(range(16))
 
@@ -40,8 +39,7 @@ def test_verification_records_the_step_checks_facts(ms, tmp_path, catalog_url, e
     paths = [_save(ms, root, rank, encrypted, big) for rank in range(2)]
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY)
-    settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02,
-                        key_file=key_file if encrypted else None)
+    settings = fast_settings(root, catalog_url, key_file=key_file if encrypted else None)
     d = Daemon(settings)
     d.start()
     try:
@@ -59,6 +57,6 @@ def test_verification_records_the_step_checks_facts(ms, tmp_path, catalog_url, e
     for rank, path, seq, facts in rows:
         doc = json.loads(facts)  # recorded by the verification, not by a second read in the step check
         assert (doc["stamp"], doc["seq"]) == (plan.stamp, seq)
-        fresh = shard_facts(ShardRef(rank, path), plan.strategy, KEY if encrypted else None, plan.names,
+        fresh = shard_facts(str(root), ShardRef(rank, path), plan.strategy, KEY if encrypted else None, plan.names,
                             subset=plan.subset)
         assert ShardFacts.decode(doc["facts"]) == fresh and fresh.step == 10 and fresh.shapes_ok

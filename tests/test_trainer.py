@@ -24,7 +24,7 @@ from trainer.config import ModelConfig, OptimConfig, full_init, lr_at, param_spe
 from trainer.data import Sampler, make_corpus
 from trainer.faults import Fault
 from trainer.health import HealthReporter
-from trainer.oracle import OracleError, _interpret
+from trainer.oracle import OracleError, interpret_answer
 from trainer.scan_resume import scan
 from trainer.topology import Topology, layout_for
 
@@ -90,13 +90,13 @@ def test_fault_and_oracle_parsing():
     for bad in ("kill:1", "explode:0:1", "kill:x:1"):
         with pytest.raises(ValueError):
             Fault.parse(bad)
-    assert _interpret({"detail": {"code": "no_restorable_step"}}, 2, "t").step is None
-    ok = _interpret({"step": 6, "shards": [{"rank": 1, "path": "b"}, {"rank": 0, "path": "a"}]}, 2, "t")
+    assert interpret_answer({"detail": {"code": "no_restorable_step"}}, 2, "t").step is None
+    ok = interpret_answer({"step": 6, "shards": [{"rank": 1, "path": "b"}, {"rank": 0, "path": "a"}]}, 2, "t")
     assert ok.step == 6
     with pytest.raises(OracleError):
-        _interpret({"step": 6, "shards": [{"rank": 0, "path": "a"}]}, 2, "t")  # a rank is missing
+        interpret_answer({"step": 6, "shards": [{"rank": 0, "path": "a"}]}, 2, "t")  # a rank is missing
     with pytest.raises(OracleError):
-        _interpret({"shards": []}, 1, "t")
+        interpret_answer({"shards": []}, 1, "t")
 
 
 def test_health_reports_are_posted_and_never_block():

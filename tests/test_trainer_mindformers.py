@@ -214,3 +214,67 @@ def test_tp2_dp2_mindformers_layout_resumes_exactly_after_sigkill(tmp_path):
         assert os.path.exists(runlayout.rank_strategy_path(str(d), r))
         assert set(meta(d, r)) == META_KEYS
     np.testing.assert_array_equal(sorted(runlayout.rank_dirs(str(d), MINDFORMERS)), [0, 1, 2, 3])
+
+
+# --- msrun + the launcher asking a real `ckptd serve` -----------------------------------------------
+
+
+def test_launcher_resumes_a_mindformers_layout_job_from_ckptd_serve(ref_tp2, tmp_path, ms):
+    """The launcher's oracle is ``ckptd serve`` over HTTP (not the stand-in scan): it catalogues the
+    trainer's MindFormers files, answers the killed job's resume with every rank's MindFormers shard
+    and what MindFormers' own loader takes, and the job trains on bit for bit; the restart's ``_1``
+    files are then the newest answer."""
+    import subprocess
+    import sys
+
+    from ckptd.catalog.db import make_engine, upgrade
+    from tests.api_helpers import serve_process, stop_process
+    from tests.daemon_helpers import wait_for
+
+    root = tmp_path / "root"
+    root.mkdir()
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    log = tmp_path / "serve.log"
+    proc, client = serve_process(root, url, log)
+    try:
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"ckptd serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                return bool(client.get("/healthz").json().get("first_rescan_done"))
+            except Exception:  # noqa: BLE001 -- not listening yet
+                return False
+
+        wait_for(up, 60, interval=0.2, what="ckptd serve to come up")
+        d = root / "job"
+        cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(d), "--layout", MINDFORMERS, "--tp", "2",
+               "--dp", "1", "--ckptd-url", str(client.base_url).rstrip("/"), "--backoff", "0.2",
+               "--fault", "kill:1:5", "--", *th.TINY, *STEPS, "--micro-batch", "4", "--steps-per-epoch", "4"]
+        run = subprocess.run(cmd, cwd=th.REPO, env=th.env(), capture_output=True, text=True, timeout=600, check=False)
+        lines = "\n".join(x for x in run.stderr.splitlines() if x.startswith("launch:"))
+        assert run.returncode == 0, f"{lines}\n{run.stderr[-3000:]}\nserve log:\n{log.read_text()[-3000:]}"
+        assert "attempt=0 event=rank_failed rank=1 step=5" in lines and "attempt=1 event=resume step=3" in lines, lines
+
+        answer = json.loads((d / "launcher" / "resume_1.json").read_text())  # what ckptd serve answered
+        assert (answer["step"], answer["epoch"], answer["name_step"], answer["layout"]) == (3, 1, 3, MINDFORMERS)
+        assert [(x["rank"], x["path"]) for x in answer["shards"]] == [(r, mf_shard(d, r, 1, 3)) for r in range(2)]
+        assert answer["mindformers"]["load_checkpoint"] == str(d / "checkpoint")
+        assert answer["mindformers"]["resume_training"] == "llama_rank_0-1_3.ckpt"
+
+        ref, got = th.losses(ref_tp2), th.losses(d)  # the uninterrupted job's losses, bit for bit
+        assert sorted(got) == list(range(1, 9))
+        assert all({h for _, h in e} == {ref[s][0][1]} for s, e in got.items())
+
+        def newest():
+            r = client.get("/v1/runs/job/resume", params={"lease": "false"})
+            return r.json() if r.status_code == 200 and r.json()["global_step"] == 8 else None
+
+        final = wait_for(newest, 60, interval=0.2, what="the restart's last save answered")
+        assert (final["incarnation"], final["epoch"], final["name_step"]) == (1, 2, 4)
+        assert [x["path"] for x in final["shards"]] == [mf_shard(d, r, 2, 4, k=1) for r in range(2)]
+    finally:
+        client.close()
+        stop_process(proc)

@@ -9,13 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptd.launcher import elastic
-from ckptd.launcher.elastic import (  # noqa: F401 -- re-exported: trainer.launch and the tests import them from here
-    in_other_layout,
-    listed_copy,
-    name_step,
-    oracle_copy,
-    short,
-)
+from ckptd.launcher.elastic import in_other_layout  # noqa: F401 -- re-exported: trainer.launch imports it from here
 from ckptd.launcher.oracle import ResumeAnswer
 
 

@@ -4,7 +4,4 @@ shared with the MindSpore callback so that the launcher watches any job the same
 from ckptd.launcher.heartbeat import (  # noqa: F401 -- re-exported for trainer.* and the tests
     HealthReporter,
     Heartbeat,
-    exit_path,
-    heartbeat_path,
-    write_json_fast,
 )

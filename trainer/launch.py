@@ -40,15 +40,9 @@ import argparse
 import os
 import sys
 
-from ckptd.launcher.oracle import (
-    ConversionError,
-    OracleError,
-    ResumeAnswer,
-    ask_command,
-    ask_http,
-    check_ready,
-)
-from ckptd.launcher.supervise import Job, Log, Restarts, Watch, ask_patiently, free_port, install_sigterm, settle, supervise
+from ckptd.launcher.oracle import ConversionError, OracleError, ResumeAnswer, ask_command
+from ckptd.launcher.supervise import (JOB_ENV, Job, Log, Restarts, Watch, ask_ckptd_once, ask_patiently, free_port,
+                                      install_sigterm, supervise)
 from trainer.elastic import in_other_layout, job_strategy_hash, resume_converted
 from trainer.oracle import ask_local_scan
 
@@ -110,7 +104,7 @@ def start_job(args, attempt: int, hb_dir: str, resume_file: str | None) -> tuple
     cmd = [msrun, "--worker_num", str(world), "--local_worker_num", str(world),
            "--master_port", str(free_port()), "--log_dir", log_dir, "--join", "True",
            TRAIN_PY, *train, *extra]
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}  # an attempt sees only its own
     # msrun starts workers as plain "python": make it this interpreter, and make trainer/ckptd importable
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -136,11 +130,8 @@ def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
 def ask_ckptd(args, world: int, attempt: int, log: Log, timeout: float = 10.0) -> ResumeAnswer:
     """One round with ckptd: ready (first rescan done), settle, ask, and (another layout) get a
     re-sharded copy."""
-    check_ready(args.ckptd_url, timeout=min(5.0, timeout))
-    if args.settle_timeout > 0:
-        settle(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout, log, attempt)
-    # naming the job's world size: ckptd then says where a copy re-sharded for it is, if it has one
-    answer = ask_http(args.ckptd_url, args.run_name, world, timeout=timeout, world_size=world)
+    answer = ask_ckptd_once(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout, timeout, log,
+                            attempt)
     target = job_layout_hash(args)
     if in_other_layout(answer, target):
         return resume_converted(args.ckptd_url, args.run_name, args.tp, args.dp, target, answer,

@@ -9,23 +9,14 @@ import os
 from ckptd import runlayout
 from ckptd.launcher.oracle import (  # noqa: F401 -- re-exported: trainer.* and the tests import them from here
     FINAL_STATES,
-    TRANSIENT_HTTP,
-    ConversionError,
-    ConversionUnavailable,
     OracleError,
     OracleUnavailable,
     ResumeAnswer,
-    Settled,
-    _interpret,
-    ask_command,
+    interpret_answer,
     ask_http,
     check_ready,
     committed_saves,
     committed_steps,
-    is_transient,
-    list_conversions,
-    request_conversion,
-    wait_for_job,
     wait_for_verdicts,
 )
 
@@ -42,7 +33,7 @@ def ask_local_scan(run_dir: str, tp: int, dp: int) -> ResumeAnswer:
     from trainer.scan_resume import scan
 
     world = tp * dp
-    answer = _interpret(scan(run_dir, world), world, "local scan")
+    answer = interpret_answer(scan(run_dir, world), world, "local scan")
     if answer.step is None:
         return answer
     for shard in answer.body["shards"]:  # type: ignore[index]

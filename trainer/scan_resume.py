@@ -25,7 +25,7 @@ from ckptd import runlayout
 from trainer.checkpoint import strategy_path
 
 
-def _intact(path: str) -> bool:
+def shard_intact(path: str) -> bool:
     try:
         with open(path + runlayout.SIDECAR_SUFFIX) as fh:
             hint = json.load(fh)
@@ -74,7 +74,7 @@ def scan(run_dir: str, world: int) -> dict:
         prefix, epoch, name_step = key
         shards = saves[key]
         missing = [r for r in range(world) if r not in shards]
-        broken = [r for r, p in shards.items() if not _intact(p)]
+        broken = [r for r, p in shards.items() if not shard_intact(p)]
         if missing or broken:
             bad = sorted(set(missing + broken))
             skipped.append({"step": name_step, "reason": f"incomplete: ranks {bad} not committed"})

@@ -1,5 +1,5 @@
 """``create_app(settings)``: the FastAPI application. No module-level state; the lifespan owns the
-daemon (watcher + verifier) and the job runner, and stops them on shutdown."""
+daemon (watcher + verifier + job runner) and stops it on shutdown."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from fastapi import Depends, FastAPI
 from ckptd import __version__
 from ckptd.api import deps, errors, guard, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
-from ckptd.service.jobs import JobRunner
 from ckptd.service.resume import ResumeCache
 from ckptd.settings import Settings
 
@@ -42,14 +41,13 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         d = daemon or Daemon(settings)
         app.state.daemon = d
         app.state.sessions = d.sessions
-        app.state.jobs = JobRunner(d.sessions, d.ingestor.examine_many, d.verifier.verify_shards, d.verifier.check_step)
+        app.state.jobs = d.jobs
         app.state.started = time.monotonic()
         app.state.resume_cache.bind(d.engine)
         d.start()
         try:
             yield
         finally:
-            app.state.jobs.close()
             app.state.resume_cache.close()
             d.stop()
 

@@ -42,7 +42,7 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
     def work(progress):  # noqa: ANN001, ANN202
         doc = conversions.convert_step(
             daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, to_layout=body.to_layout,
-            key=daemon.verifier.key, progress=progress,
+            key=daemon.verifier.key, progress=progress, node=daemon.settings.node_name,
         )
         report = doc.get("report")
         if report is not None:  # a reused copy moved no bytes

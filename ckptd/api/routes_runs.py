@@ -40,13 +40,13 @@ def list_steps(
 
 
 @router.get("/{run}/steps/{step}", response_model=StepDetailOut, responses=_RUN)
-def get_step(run: RunName, step: Step, s: SessionDep, _: ReadScope) -> dict[str, Any]:
-    return catalog.show_step(s, run, step)
+def get_step(run: RunName, step: Step, s: SessionDep, request: Request, _: ReadScope) -> dict[str, Any]:
+    return catalog.show_step(s, run, step, request.app.state.settings.node_timeout)
 
 
 @router.get("/{run}/steps/{step}/shards", response_model=list[ShardOut], responses=_RUN)
-def get_shards(run: RunName, step: Step, s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
-    return catalog.show_step(s, run, step)["shards"]
+def get_shards(run: RunName, step: Step, s: SessionDep, request: Request, _: ReadScope) -> list[dict[str, Any]]:
+    return catalog.show_step(s, run, step, request.app.state.settings.node_timeout)["shards"]
 
 
 @router.post("/{run}/steps/{step}/mark-bad", response_model=StepOut, **_BODY)

@@ -167,11 +167,13 @@ class RunOut(_Out):
 
 
 class StepOut(_Out):
-    step: int
+    step: int = Field(description="the step in the shard file names (MindFormers: within the epoch); "
+                                  "address a step by global_step")
     epoch: int
     incarnation: int | None = None
     kind: str
-    global_step: int | None
+    global_step: int | None = Field(description="the training step the files record (what /steps/{step} and the "
+                                                "CLI take); null until a shard is verified")
     state: str
     restorable: bool
     expected_ranks: int | None
@@ -195,6 +197,8 @@ class ShardOut(_Out):
     error: str | None
     quarantined: bool | None = None
     verified_at: str | None
+    node: str | None = None  # the node whose daemon saw the file (docs/ARCHITECTURE.md, Nodes)
+    reachable: bool | None = None  # its daemon's heartbeat is within node_timeout (None: no registered node)
 
 
 class StepDetailOut(StepOut):

@@ -29,6 +29,12 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def as_utc(dt: datetime) -> datetime:
+    """A timestamp read from the catalog, zone-aware: SQLite drops the zone (values are stored in
+    UTC), PostgreSQL keeps it."""
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
 class Base(DeclarativeBase):
     pass
 

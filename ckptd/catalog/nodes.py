@@ -8,7 +8,9 @@ cannot write "I am dead", and every daemon sharing the catalog must reach the sa
 
 from __future__ import annotations
 
+import logging
 import os
+import stat as stat_mod
 import threading
 import time
 from dataclasses import dataclass
@@ -17,8 +19,13 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd.catalog.models import Node, Shard
+from ckptd.catalog.models import Node, Shard, as_utc
 from ckptd.catalog.repo import Owner, insert_ignore
+from ckptd.format.atomic import atomic_write
+
+log = logging.getLogger("ckptd.nodes")
+
+MARKER_PREFIX = ".ckptd-node-"  # a dot name: ingest and the watcher never look at it (runlayout.classify)
 
 
 @dataclass(frozen=True)
@@ -27,10 +34,7 @@ class NodeStatus:
     heartbeat_at: datetime
     reachable: bool
     seconds_since_heartbeat: float
-
-
-def _aware(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    started_at: datetime
 
 
 def register(session: Session, name: str, root: str) -> None:
@@ -51,9 +55,9 @@ def heartbeat(session: Session, name: str) -> None:
 def statuses(session: Session, timeout: float, now: datetime | None = None) -> dict[str, NodeStatus]:
     now = now or datetime.now(timezone.utc)
     out = {}
-    for name, beat in session.execute(select(Node.name, Node.heartbeat_at)).all():
-        age = (now - _aware(beat)).total_seconds()
-        out[name] = NodeStatus(name, _aware(beat), age <= timeout, max(0.0, age))
+    for name, beat, started in session.execute(select(Node.name, Node.heartbeat_at, Node.started_at)).all():
+        age = (now - as_utc(beat)).total_seconds()
+        out[name] = NodeStatus(name, as_utc(beat), age <= timeout, max(0.0, age), as_utc(started))
     return out
 
 
@@ -68,6 +72,37 @@ def next_change(session: Session, timeout: float) -> datetime | None:
     answer that depends on liveness is valid until then."""
     beats = [st.heartbeat_at for st in statuses(session, timeout).values() if st.reachable]
     return min(beats) + timedelta(seconds=timeout) if beats else None
+
+
+def marker_path(root: str, name: str) -> str:
+    return os.path.join(root, MARKER_PREFIX + name)
+
+
+def write_marker(root: str, name: str) -> bool:
+    """Leave this node's sharing marker in its root: another node that finds it in *its* root
+    watches the same filesystem, so a file of ours it cannot see is really gone (``Owner.shared``).
+    A read-only root gets none (this node is then never proven to share it): logged, not fatal."""
+    try:
+        with atomic_write(marker_path(root, name), overwrite=True) as fh:
+            fh.write(f"ckptd node {name}\n".encode())
+        return True
+    except OSError as err:
+        log.warning("cannot write the node marker in %s (%s): other nodes will not count this root as shared",
+                    root, err.strerror)
+        return False
+
+
+def sharing(root: str, names: set[str]) -> frozenset[str]:
+    """The nodes among ``names`` whose marker is in ``root`` (a regular file: a symlink planted
+    there proves nothing about where its node writes)."""
+    out = set()
+    for name in names:
+        try:
+            if stat_mod.S_ISREG(os.lstat(marker_path(root, name)).st_mode):
+                out.add(name)
+        except OSError:
+            pass
+    return frozenset(out)
 
 
 def several(session: Session) -> bool:
@@ -89,8 +124,10 @@ class NodeView:
     """This daemon's view of ownership (``repo.Owner``), refreshed at most every ``refresh``
     seconds: the hot paths ask for it per batch, liveness moves on the scale of heartbeats."""
 
-    def __init__(self, sessions: sessionmaker[Session], name: str, timeout: float, refresh: float = 2.0) -> None:
+    def __init__(self, sessions: sessionmaker[Session], name: str, timeout: float, refresh: float = 2.0,
+                 root: str | None = None) -> None:
         self.sessions, self.name, self.timeout, self.refresh = sessions, name, timeout, refresh
+        self.root = root  # where the other nodes' sharing markers would be (None: no root, shares nothing)
         self._lock = threading.Lock()
         self._owner: Owner | None = None
         self._at = 0.0
@@ -102,7 +139,14 @@ class NodeView:
         with self.sessions() as s:
             known = statuses(s, self.timeout)
         others = set(known) - {self.name}
-        owner = Owner(self.name, frozenset(n for n in others if not known[n].reachable), sole=not others)
+        dead = frozenset(n for n in others if not known[n].reachable)
+        # an upgraded multi-node catalog has unowned rows of every node; the first daemon up must
+        # not call the others' gone before they had a node timeout to register (claiming rows it
+        # sees needs no wait). A process that never registered (a CLI) is sole only when alone.
+        me = known.get(self.name)
+        settled = me is None or (datetime.now(timezone.utc) - me.started_at).total_seconds() >= self.timeout
+        shared = sharing(self.root, dead) if self.root else frozenset()
+        owner = Owner(self.name, dead, sole=not others and settled, shared=shared)
         with self._lock:
             self._owner, self._at = owner, time.monotonic()
         return owner

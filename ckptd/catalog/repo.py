@@ -1,9 +1,8 @@
 """Catalog writes that stay correct with several daemons on one PostgreSQL catalog.
 
 Registration is ``INSERT … ON CONFLICT DO NOTHING`` then ``SELECT`` (unique constraints decide,
-not a read-then-write race). State changes are conditional updates: a verification result is
-written only if the shard still has the size/mtime/inode that was verified, so a stale result
-can never overwrite a newer file's state. Step states are recomputed under a row lock.
+not a read-then-write race). State changes are conditional updates (verification claims and
+verdicts: :mod:`ckptd.catalog.verdicts`). Step states are recomputed under a row lock.
 """
 
 from __future__ import annotations
@@ -14,13 +13,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import (
-    Connection,
     DateTime,
     Select,
     bindparam,
     distinct,
     func,
-    insert,
     or_,
     select,
     text,
@@ -28,10 +25,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import TextClause
 
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile, VerificationEvent
-from ckptd.states import SUPERSEDED_KIND, ShardState, StepState, allows_subset, step_state_from
+from ckptd.catalog.pgbatch import column_arrays, unnest_rows
+from ckptd.states import CONFIG_ERROR_CODES, SUPERSEDED_KIND, ShardState, StepState, allows_subset, step_state_from
 
 
 def insert_ignore(session: Session, model: type, values: dict[str, Any], conflict: list[str]) -> bool:
@@ -133,12 +130,14 @@ _ROWS_PER_SELECT = 500  # well under SQLite's bound-parameter limit
 class Owner:
     """Who may judge a file (docs/ARCHITECTURE.md, *Nodes*): ``node`` is this daemon's node;
     ``dead`` the nodes unreachable now, whose files this node takes over when it sees them;
-    ``sole``: no other node ever registered, so rows without a node (from before migration
-    0006) are this node's."""
+    ``shared`` the other nodes whose sharing marker is visible in this node's root (they watch
+    the same filesystem); ``sole``: this node has been the only one registered for a whole node
+    timeout, so rows without a node (from before migration 0006) that it cannot see are gone."""
 
     node: str
     dead: frozenset[str] = frozenset()
     sole: bool = True
+    shared: frozenset[str] = frozenset()
 
     def owns(self, row_node: str | None) -> bool:
         return row_node == self.node or (row_node is None and self.sole)
@@ -147,8 +146,19 @@ class Owner:
         """A file this node sees whose row it may claim: unowned, or its owner is unreachable."""
         return row_node is None or row_node == self.node or row_node in self.dead
 
+    def may_judge_gone(self, row_node: str | None) -> bool:
+        """A file this node does not see is gone only if this node could have seen it: its own,
+        an unowned one when it is sole, or an unreachable node's on a filesystem both share.
+        (A node-local disk of another node is simply invisible here: not seeing is no proof.)"""
+        return self.owns(row_node) or (row_node in self.dead and row_node in self.shared)
+
     def owned_clause(self):  # noqa: ANN201 - a SQLAlchemy clause
         return or_(Shard.node == self.node, Shard.node.is_(None)) if self.sole else Shard.node == self.node
+
+    def judged_clause(self):  # noqa: ANN201 - a SQLAlchemy clause
+        """The rows ``may_judge_gone`` admits, as SQL."""
+        orphans = sorted(self.dead & self.shared)
+        return or_(self.owned_clause(), Shard.node.in_(orphans)) if orphans else self.owned_clause()
 
 
 # this machine as the only node: the default of callers without a daemon (tests, tools); the same
@@ -169,6 +179,14 @@ def shard_paths(session: Session, ckpt_id: int) -> list[str]:
         Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))).scalars())
 
 
+_REGISTER_ARRAYS = {"rank": "integer[]", "path": "text[]", "size": "bigint[]", "mtime_ns": "bigint[]",
+                    "inode": "bigint[]", "format": "varchar[]"}
+_PG_REGISTER_SHARDS = text(
+    "INSERT INTO shards (checkpoint_id, rank, path, size, mtime_ns, inode, state, format, quarantined, verify_seq,"
+    " seen_at, node)"
+    f" SELECT :ckpt, v.rank, v.path, v.size, v.mtime_ns, v.inode, '{ShardState.COMPLETE.value}', v.format, false, 0,"
+    f" :now, :node FROM {unnest_rows(_REGISTER_ARRAYS)} ON CONFLICT (path) DO NOTHING RETURNING id, path"
+).bindparams(bindparam("now", type_=DateTime(timezone=True)))
 def register_shards(
     session: Session, ckpt: Checkpoint, files: list[ShardFile], layout_now: tuple[int, int] | None = None,
     owner: Owner = LOCAL,
@@ -191,11 +209,14 @@ def register_shards(
         }
         for f in files
     ]
-    mod = postgresql if dialect == "postgresql" else sqlite
-    stmt = mod.insert(table).on_conflict_do_nothing(index_elements=["path"]).returning(table.c.id, table.c.path)
-    # executemany + RETURNING: SQLAlchemy batches it into multi-row VALUES ("insertmanyvalues")
-    # from one cached compilation; a conflicting row (already catalogued) returns nothing
-    inserted = {path: sid for sid, path in session.connection().execute(stmt, rows)}
+    if dialect == "postgresql":  # a conflicting row (already catalogued) returns nothing
+        inserted = {path: sid for sid, path in session.connection().execute(
+            _PG_REGISTER_SHARDS, {"ckpt": ckpt.id, "now": now, "node": owner.node} | column_arrays(rows, _REGISTER_ARRAYS))}
+    else:
+        stmt = sqlite.insert(table).on_conflict_do_nothing(index_elements=["path"]).returning(table.c.id, table.c.path)
+        # executemany + RETURNING: SQLAlchemy batches it into multi-row VALUES ("insertmanyvalues")
+        # from one cached compilation
+        inserted = {path: sid for sid, path in session.connection().execute(stmt, rows)}
     known = [f for f in files if f.path not in inserted]
     if known:  # lock order: the step (held), its history rows, then shard rows — a known path may be history's
         history_rows(session, ckpt)
@@ -254,138 +275,6 @@ def history_rows(session: Session, ckpt: Checkpoint) -> list[Checkpoint]:
         Checkpoint.step == ckpt.step, Checkpoint.kind == SUPERSEDED_KIND,
     ).order_by(Checkpoint.id)
     return list(session.execute(for_update(q, session)).scalars())
-
-
-def claim_verifications(session: Session, shard_ids: list[int], owner: Owner = LOCAL) -> dict[int, int]:
-    """Start verifications: claim each shard for this node and bump its sequence number (see
-    ``record_verification``); returns the sequence numbers of the shards claimed. A shard another
-    live node is verifying is not claimed (several daemons on one shared root verify each shard
-    once); a claim of an unreachable node is taken over. Callers claim the shards of one
-    checkpoint under its lock, which serializes claims the way ``SKIP LOCKED`` would."""
-    free = or_(Shard.claimed_by.is_(None), Shard.claimed_by == owner.node, Shard.claimed_by.in_(sorted(owner.dead)))
-    session.execute(update(Shard).where(Shard.id.in_(shard_ids), free)
-                    .values(verify_seq=Shard.verify_seq + 1, claimed_by=owner.node))
-    return dict(session.execute(select(Shard.id, Shard.verify_seq).where(
-        Shard.id.in_(shard_ids), Shard.claimed_by == owner.node)).all())
-
-
-def release_claims(session: Session, shard_ids: list[int], owner: Owner = LOCAL) -> None:
-    if shard_ids:
-        session.execute(update(Shard).where(Shard.id.in_(shard_ids), Shard.claimed_by == owner.node)
-                        .values(claimed_by=None))
-
-
-def record_verification(
-    session: Session, shard_id: int, st: FileStat, *, state: ShardState, values: dict[str, Any], detail: str | None,
-    seconds: float, seq: int | None = None, ckpt_id: int | None = None,
-) -> bool:
-    """Store a verification outcome iff the shard is still the file that was verified and no
-    verification started after this one (``seq`` from ``claim_verifications``)."""
-    cond = [
-        Shard.id == shard_id,
-        Shard.size == st.size,
-        Shard.mtime_ns == st.mtime_ns,
-        Shard.inode == st.inode,
-        Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # not part of any step any more
-    ]
-    if seq is not None:
-        cond.append(Shard.verify_seq == seq)
-    res = session.execute(
-        update(Shard)
-        .where(*cond)
-        .values(state=state.value, verified_at=datetime.now(timezone.utc), quarantined=state == ShardState.CORRUPT,
-                claimed_by=None, **values)
-    )
-    if res.rowcount:
-        if ckpt_id is None:
-            ckpt_id = session.execute(select(Shard.checkpoint_id).where(Shard.id == shard_id)).scalar_one()
-        add_event(session, ckpt_id, shard_id, "shard", state.value, detail, seconds)
-    return bool(res.rowcount)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One verification outcome to store (see ``record_verifications``)."""
-
-    shard_id: int
-    stat: FileStat  # the file as it was when read
-    state: ShardState
-    values: dict[str, Any]  # digest, format, encryption, crc, global_step, error_code, error
-    seq: int | None
-    seconds: float
-
-
-#: ``facts``: the step check's facts the verification took from the same read (or null)
-_VERDICT_COLUMNS = ("digest", "format", "encryption", "crc", "global_step", "error_code", "error", "verified_config",
-                    "facts")
-#: verdicts that say more about the configuration (key, policies) than about the file
-CONFIG_ERROR_CODES = ("key_required", "not_encrypted", "invalid_key", "wrong_key", "policy", "mode_mismatch")
-_VERDICT_FIELDS = ("id", "size", "mtime", "inode", "seq", "state", *_VERDICT_COLUMNS)
-_PG_ARRAY_TYPES = dict.fromkeys(_VERDICT_FIELDS, "varchar[]") | {
-    "id": "integer[]", "size": "bigint[]", "mtime": "bigint[]", "inode": "bigint[]", "seq": "integer[]",
-    "global_step": "bigint[]", "error": "text[]", "facts": "text[]",
-}
-
-
-def _store_verdicts_sql(rows_source: str, columns: str = "") -> TextClause:
-    """One ``UPDATE … FROM <rows> AS v … RETURNING`` for a whole batch of verdicts: one round trip
-    and constant SQL text (a VALUES list of N rows would be compiled anew for every batch size,
-    which costs more than the round trips it saves). Only how the rows arrive differs by dialect."""
-    return text(
-        "UPDATE shards SET state = v.state, verified_at = :at, quarantined = (v.state = 'corrupt'), claimed_by = NULL, "
-        + ", ".join(f"{c} = v.{c}" for c in _VERDICT_COLUMNS)
-        + f" FROM {rows_source} AS v{columns}"
-        " WHERE shards.id = v.id AND shards.size = v.size AND shards.mtime_ns = v.mtime AND shards.inode = v.inode"
-        " AND shards.state NOT IN ('deleted', 'superseded') AND (v.seq IS NULL OR shards.verify_seq = v.seq)"
-        " RETURNING shards.id"
-    ).bindparams(bindparam("at", type_=DateTime(timezone=True)))  # stored exactly as the ORM stores it
-
-
-# PostgreSQL: one array per column; SQLite (no arrays): the rows as one JSON array
-_PG_STORE_VERDICTS = _store_verdicts_sql(
-    "unnest(" + ", ".join(f"CAST(:{f} AS {_PG_ARRAY_TYPES[f]})" for f in _VERDICT_FIELDS) + ")",
-    "(" + ", ".join(_VERDICT_FIELDS) + ")",
-)
-_SQLITE_STORE_VERDICTS = _store_verdicts_sql(
-    "(SELECT " + ", ".join(f"json_extract(value, '$[{i}]') AS {f}" for i, f in enumerate(_VERDICT_FIELDS))
-    + " FROM json_each(:rows))"
-)
-
-
-def _store_verdicts(conn: Connection, verdicts: list[Verdict], now: datetime) -> set[int]:
-    import json
-
-    rows = [
-        (v.shard_id, v.stat.size, v.stat.mtime_ns, v.stat.inode, v.seq, v.state.value,
-         *(v.values.get(c) for c in _VERDICT_COLUMNS))
-        for v in verdicts
-    ]
-    if conn.dialect.name == "postgresql":
-        params: dict[str, Any] = dict(zip(_VERDICT_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
-        return set(conn.execute(_PG_STORE_VERDICTS, params | {"at": now}).scalars())
-    return set(conn.execute(_SQLITE_STORE_VERDICTS, {"rows": json.dumps(rows), "at": now}).scalars())
-
-
-def record_verifications(session: Session, ckpt_id: int, verdicts: list[Verdict]) -> set[int]:
-    """Store verification outcomes of one checkpoint's shards (caller holds its lock); each is
-    written iff the shard is still the file that was verified and no verification started after
-    this one (``seq`` from ``claim_verifications``). Returns the ids whose verdict was stored.
-
-    Core statements on the session's connection: the ORM's per-statement bookkeeping (autoflush,
-    session synchronisation) cost 5 ms a shard, more than reading a small shard."""
-    conn = session.connection()
-    now = datetime.now(timezone.utc)
-    if not verdicts:
-        return set()
-    stored = _store_verdicts(conn, verdicts, now)
-    events = [
-        {"checkpoint_id": ckpt_id, "shard_id": v.shard_id, "at": now, "kind": "shard", "outcome": v.state.value,
-         "detail": v.values.get("error"), "seconds": v.seconds}
-        for v in verdicts if v.shard_id in stored
-    ]
-    if events:
-        conn.execute(insert(VerificationEvent.__table__), events)
-    return stored
 
 
 def mark_deleted(session: Session, shard: Shard) -> None:

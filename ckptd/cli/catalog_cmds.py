@@ -85,7 +85,8 @@ def _common(p: argparse.ArgumentParser, root: bool = False) -> None:
         p.add_argument("--root", metavar="DIR", help="checkpoint root (files outside it are never deleted)")
 
 
-def _sessions(args: argparse.Namespace):  # noqa: ANN202
+def catalog_sessions(args: argparse.Namespace):  # noqa: ANN202
+    """(settings, sessionmaker) of the catalog the command line names, its schema checked."""
     from sqlalchemy.orm import sessionmaker
 
     from ckptd.catalog.db import make_engine, require_current_schema
@@ -143,7 +144,7 @@ def _is_loopback(host: str) -> bool:
 def cmd_ls(args: argparse.Namespace) -> int:
     from ckptd.service import catalog
 
-    settings, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     with sessions() as s:
         if args.run is None:
             runs = catalog.list_runs(s)
@@ -172,21 +173,30 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from ckptd.service import catalog
 
-    _, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     with sessions() as s:
-        doc = catalog.show_step(s, args.run, args.step)
-    head = (f"run {args.run} step {doc['step']} (epoch {doc['epoch']}): {doc['state']}"
+        doc = catalog.show_step(s, args.run, args.step, settings.node_timeout)
+    # steps are addressed by their global step; the file names' (epoch, step in epoch) is how it is named
+    step = doc["global_step"] if doc["global_step"] is not None else doc["step"]
+    named = f"epoch {doc['epoch']}" + (f", file-name step {doc['step']}" if doc["step"] != step else "")
+    head = (f"run {args.run} step {step} ({named}): {doc['state']}"
             f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}")
-    rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], x["node"] or "-", x["error"] or "",
+    rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], _node_cell(x), x["error"] or "",
              x["path"]) for x in doc["shards"]]
     _emit(args, doc, head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "NODE", "ERROR", "PATH")))
     return 0 if doc["restorable"] else 1
 
 
+def _node_cell(shard: dict) -> str:
+    if not shard["node"]:
+        return "-"
+    return shard["node"] + (" (unreachable)" if shard.get("reachable") is False else "")
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
 
-    settings, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease,
                          exclude_unreachable=args.exclude_unreachable, node_timeout=settings.node_timeout)
     try:
@@ -253,7 +263,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ckptd.policy import RetentionPolicy
     from ckptd.service.retention import gc
 
-    settings, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     from ckptd.catalog.nodes import NodeView
 
     owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
@@ -274,7 +284,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_mark(args: argparse.Namespace) -> int:
     from ckptd.service import catalog
 
-    _, sessions = _sessions(args)
+    _, sessions = catalog_sessions(args)
     with sessions.begin() as s:
         if args.action in ("mark-bad", "unmark-bad"):
             doc = catalog.mark_bad(s, args.run, args.step, getattr(args, "reason", None), bad=args.action == "mark-bad")
@@ -298,10 +308,10 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
     from ckptd.service.jobs import reverify, select_shards
     from ckptd.service.verifier import Verifier
 
-    settings, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     settings = settings_from(args).model_copy(update={"db": settings.db, "root": settings.root})
     verifier = Verifier(settings, sessions)
-    ingestor = Ingestor(settings, sessions, lambda _ids: None, lambda _id: None)
+    ingestor = Ingestor(settings, sessions, lambda _ids, **_how: None, lambda _id: None)
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
 
@@ -312,7 +322,8 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar)
+        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
+                          owner=verifier.nodes.owner)
     finally:
         verifier.close()
     seconds = time.perf_counter() - t0

@@ -185,7 +185,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def _run_from_catalog(args: argparse.Namespace) -> int:
     """``--run R --step S``: convert a verified catalogued step and register it with lineage."""
-    from ckptd.cli.catalog_cmds import _sessions
+    from ckptd.cli.catalog_cmds import catalog_sessions
     from ckptd.format.crypto_blocks import load_key_file
     from ckptd.service.conversions import convert_step
 
@@ -193,11 +193,12 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
         raise _usage("--run works with --step, --to-strategy/--to-layout, [--out], key files and --workers only")
     if args.step is None or not str(args.step).isdigit():
         raise _usage("--run needs --step N (the step as `ckptd ls RUN` shows it)")
-    settings, sessions = _sessions(args)
+    settings, sessions = catalog_sessions(args)
     doc = convert_step(
         sessions, str(settings.root), args.run, int(args.step), to_strategy=args.to_strategy, to_layout=args.to_layout,
         out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
         out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,
+        node=settings.node_name,
     )
     if args.json:
         print(json.dumps(doc, indent=2, default=str))

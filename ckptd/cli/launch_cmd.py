@@ -39,6 +39,8 @@ def register(sub: Any) -> None:
                         "another world size stops the launcher (exit 2)")
     p.add_argument("--convert-timeout", type=float, default=300.0,
                    help="elastic restart: wait at most this long for ckptd to re-shard a step for --layout (s)")
+    p.add_argument("--exclude-unreachable", action="store_true",
+                   help="resume from the newest step with no shard on a node whose ckptd is silent (a node was lost)")
     p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
@@ -73,7 +75,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             resume_env=args.resume_env, fresh=args.fresh, layout=layout, convert_timeout=args.convert_timeout,
             settle_timeout=args.settle_timeout,
             oracle_wait=args.oracle_wait, oracle_backoff=args.oracle_backoff,
-            oracle_backoff_max=args.oracle_backoff_max,
+            oracle_backoff_max=args.oracle_backoff_max, exclude_unreachable=args.exclude_unreachable,
             watch=Watch(args.heartbeat_timeout, args.startup_timeout, args.exit_grace),
             restarts=Restarts(args.max_restarts, args.backoff, args.backoff_max, args.poll))
         install_sigterm()

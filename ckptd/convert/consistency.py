@@ -45,6 +45,14 @@ from ckptd.format.strategy import ParamStrategy, Strategy
 EVIDENCE_DTYPES = frozenset({"Float16", "Float32", "Float64", "BFloat16"})
 #: parameters that must show such twins before the strategy is refused (fewer: a note)
 MIN_TWIN_PARAMS = 2
+#: payload bytes of each tensor digested by ``sources.read_inventory`` and looked at to tell a
+#: constant one (one page: ~free for mmap'd files; zero-initialised moments are equal everywhere)
+PROBE_BYTES = 4096
+
+
+def repeats_one_element(data: bytes, itemsize: int) -> bool:
+    """``data`` is one element repeated (such equal bytes in two slices prove nothing)."""
+    return data == data[:itemsize] * (len(data) // itemsize)
 MAX_LISTED = 20  # problem lines in one error
 _NAMES_LISTED = 4  # parameter names in one line
 HINT = ("pass the strategy file the source job saved with (strategy_ckpt_save_file; a pipeline job's "

@@ -45,7 +45,7 @@ class ShardEntry:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    #: digest of the first bytes of the payload (``sources.PROBE_BYTES``; None = not read, e.g.
+    #: digest of the first bytes of the payload (``consistency.PROBE_BYTES``; None = not read, e.g.
     #: encrypted): lets the planner tell replicas from different slices (ckptd/convert/consistency.py)
     probe: bytes | None = field(default=None, compare=False)
     constant: bool = field(default=False, compare=False)  # the probed bytes repeat one element

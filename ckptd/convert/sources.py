@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from ckptd import runlayout
-from ckptd.convert.consistency import ranks_text
+from ckptd.convert.consistency import PROBE_BYTES, ranks_text, repeats_one_element
 from ckptd.convert.plan import CHUNK_BYTES, ConversionPlan, ConvertError, ShardEntry, SourceShard, plan_conversion
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
@@ -44,8 +44,6 @@ from ckptd.format.entry import TensorEntry
 from ckptd.format.layout import Slice
 from ckptd.format.strategy import Strategy, load_strategy
 
-#: bytes of each tensor's payload digested by ``read_inventory`` (one page: ~free for mmap'd files)
-PROBE_BYTES = 4096
 _STEP_ARG = re.compile(r"(?:(?P<prefix>.+)-)?(?:(?P<epoch>0|[1-9][0-9]*)_)?(?P<step>0|[1-9][0-9]*)(?P<bp>_breakpoint)?")
 STEP_SYNTAX = "[PREFIX-][EPOCH_]STEP[_breakpoint]"
 _MAX_LISTED = 20
@@ -243,7 +241,7 @@ def _probe(cf: CheckpointFile, ent: TensorEntry) -> tuple[bytes | None, bool]:
         release()
     except CkptdError:
         return None, False  # the executor refuses the entry with the reason
-    return xxhash.xxh3_128_digest(data), data == data[:isz] * (n // isz)
+    return xxhash.xxh3_128_digest(data), repeats_one_element(data, isz)
 
 
 def _shard_entry(cf: CheckpointFile, e: TensorEntry) -> ShardEntry:

@@ -118,14 +118,11 @@ def verify_pieces(task: TensorTask, segments: Segments, digests: Sequence[bytes]
 
 
 def check_index(path: str, key: bytes | None, tasks: Sequence[TensorTask], written: Mapping[str, Segments],
-                values: Mapping[str, Any], deferred: Sequence[tuple[TensorTask, Sequence[bytes]]] = (),
-                buf: np.ndarray | None = None) -> int:
+                values: Mapping[str, Any]) -> int:
     """Open the finished file as a reader would and check it against the plan (see module doc).
 
-    ``written``: where the writer put each entry's payload; ``values``: expected small values;
-    ``deferred``: tensors whose pieces were not verified yet, checked here through the reader
-    (``buf``: where a band crossing a record boundary is gathered).
-    Returns the number of values and deferred pieces checked.
+    ``written``: where the writer put each entry's payload; ``values``: expected small values.
+    Returns the number of values checked.
     """
     checked = 0
     with open_checkpoint(path, key) as cf:
@@ -149,10 +146,4 @@ def check_index(path: str, key: bytes | None, tasks: Sequence[TensorTask], writt
                     raise ConvertError(f"entry {task.name!r} reads back as {got!r} instead of "
                                        f"{values[task.name]!r}", path=path)
                 checked += 1
-        if deferred:
-            assert buf is not None
-            source = cf.source
-
-            for task, digests in deferred:
-                checked += verify_pieces(task, written[task.name], digests, source.view, buf, path)
     return checked

@@ -28,7 +28,9 @@ import numpy as np
 
 from ckptd.convert.plan import ConvertError, TensorTask
 from ckptd.format import ckpt as ckpt_fmt
+from ckptd.format import ckpt_write
 from ckptd.format import safetensors_format as st_fmt
+from ckptd.format import safetensors_write as st_write
 from ckptd.format.crc import crc32, crc32_combine
 from ckptd.format.dtypes import safetensors_name
 
@@ -73,9 +75,8 @@ class OutFile:
     with the mappings the assembler and verifier open and drop.)
     """
 
-    def __init__(self, path: str, *, kick: bool = True) -> None:
-        """``kick``: start write-back every ``KICK_BYTES`` (False: the final fsync does it all)."""
-        self.path, self.kick = path, kick
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._small = bytearray()
         self._in_kernel = 0  # bytes handed to write(2)
@@ -83,7 +84,7 @@ class OutFile:
         self._cond = threading.Condition()
         self._closing = False
         self._kicker: threading.Thread | None = None
-        if kick and _sync_file_range is not None:
+        if _sync_file_range is not None:  # write-back starts every KICK_BYTES
             self._kicker = threading.Thread(target=self._kick_loop, daemon=True, name="ckptd-writeback")
             self._kicker.start()
 
@@ -166,16 +167,16 @@ class CkptWriter:
 
     def write_value(self, name: str, value: Any) -> Segments:
         """A small value (str, scalar, ``rank_id``) through the reference encoder."""
-        dtype, dims, data = ckpt_fmt._normalise(name, value)
+        dtype, dims, data = ckpt_write.normalise_value(name, value)
         segments = []
-        for chunk in ckpt_fmt._chunks(data):
-            self._emit(ckpt_fmt._record_header(name, dtype, dims, len(chunk)))
+        for chunk in ckpt_write.record_chunks(data):
+            self._emit(ckpt_write.record_header(name, dtype, dims, len(chunk)))
             segments.append((self.pos, len(chunk)))
             self._emit(chunk)
         return tuple(segments)
 
     def write_bands(self, task: TensorTask, bands: Iterable[Band]) -> Segments:
-        """A tensor whose C-order payload arrives as ``bands``, split into records like ``_chunks``."""
+        """A tensor whose C-order payload arrives as ``bands``, split into records like ``ckpt_write.record_chunks``."""
         dims = tuple(task.dst_slice.sizes)
         sizes = record_sizes(dims, task.nbytes)
         segments: list[tuple[int, int]] = []
@@ -183,7 +184,7 @@ class CkptWriter:
         pending: memoryview | None = None
         band: Band | None = None
         for size in sizes:
-            self._emit(ckpt_fmt._record_header(task.name, task.dtype, dims, size))
+            self._emit(ckpt_write.record_header(task.name, task.dtype, dims, size))
             segments.append((self.pos, size))
             left = size
             while left:
@@ -209,7 +210,7 @@ class CkptWriter:
 
 
 def record_sizes(dims: tuple[int, ...], nbytes: int) -> list[int]:
-    """Payload bytes of each record, as ``ckpt._chunks`` splits (``np.array_split`` over dim 0
+    """Payload bytes of each record, as ``ckpt_write.record_chunks`` splits (``np.array_split`` over dim 0
     into ``ceil(nbytes / 512 MiB)`` parts; the same float arithmetic, so the same boundaries)."""
     if not (nbytes / 1024 > ckpt_fmt.SLICE_BYTES / 1024 and len(dims) > 0):
         return [nbytes]
@@ -222,7 +223,7 @@ def record_sizes(dims: tuple[int, ...], nbytes: int) -> list[int]:
 
 def safetensors_order(tasks: Iterable[TensorTask]) -> list[TensorTask]:
     """safetensors' data order: descending dtype alignment rank, then name."""
-    return sorted(tasks, key=lambda t: (-st_fmt._ST_DTYPE_RANK[safetensors_name(t.dtype)], t.name.encode()))
+    return sorted(tasks, key=lambda t: (-st_fmt.ST_DTYPE_RANK[safetensors_name(t.dtype)], t.name.encode()))
 
 
 class SafetensorsWriter:
@@ -242,7 +243,7 @@ class SafetensorsWriter:
         self.meta = {"format": "ms"} if tasks else None
         self.with_crc = bool(self.meta) and crc
         meta = {**self.meta, "crc_num": "4294967295"} if self.with_crc else self.meta  # type: ignore[dict-item]
-        self.reserved = st_fmt.encode_header(meta, layout)
+        self.reserved = st_write.encode_header(meta, layout)
         out.write(struct.pack("<Q", len(self.reserved)))
         out.write(self.reserved)
         self.pos = 8 + len(self.reserved)
@@ -272,11 +273,11 @@ class SafetensorsWriter:
         for name in sorted(self.crcs, key=lambda s: s.encode()):
             dcrc, length, scalar = self.crcs[name]
             value_crc = crc32(name.encode(), value_crc)
-            if scalar is not None and dtypes[name] in st_fmt._INDEX_QUIRK_DTYPES:
-                value_crc = st_fmt.crc32_zeros(value_crc, st_fmt._scalar_index(dtypes[name], scalar, name))
+            if scalar is not None and dtypes[name] in st_fmt.INDEX_QUIRK_DTYPES:
+                value_crc = st_fmt.crc32_zeros(value_crc, st_fmt.scalar_index(dtypes[name], scalar, name))
             else:
                 value_crc = crc32_combine(value_crc, dcrc, length)
-        header = st_fmt.encode_header({**self.meta, "crc_num": str(value_crc)}, self.layout)
+        header = st_write.encode_header({**self.meta, "crc_num": str(value_crc)}, self.layout)
         self.out.pwrite(header + b" " * (len(self.reserved) - len(header)), 8)
 
 

@@ -14,7 +14,7 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "CheckpointFile": "ckptd.format.checkpoint",
     "open_checkpoint": "ckptd.format.checkpoint",
     "write_checkpoint": "ckptd.format.checkpoint",
-    "TypedArray": "ckptd.format.ckpt",
+    "TypedArray": "ckptd.format.ckpt_write",
     "EncMode": "ckptd.format.crypto",
     "TensorEntry": "ckptd.format.entry",
     "FileReport": "ckptd.format.verify",

@@ -21,6 +21,7 @@ from ckptd.errors import (
     UnknownFormatError,
 )
 from ckptd.format import ckpt as ckpt_fmt
+from ckptd.format import ckpt_write
 from ckptd.format import crypto
 from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.crc import crc32, parallel_crc32
@@ -158,18 +159,8 @@ class CheckpointFile:
         }
 
 
-def sniff_format(path: str) -> tuple[Format, crypto.EncMode | None]:
+def _format_of(head: bytes, size: int, path: str) -> tuple[Format, crypto.EncMode | None]:
     """Decide the format from the first bytes (file names lie; MindSpore writes ``.ckpt`` either way)."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
-            head = fh.read(16)
-    except FileNotFoundError:
-        raise CkptdError("no such file", path=path, hint="check the path") from None
-    except IsADirectoryError:
-        raise CkptdError("is a directory, not a checkpoint file", path=path) from None
-    except PermissionError:
-        raise CkptdError("permission denied", path=path, hint="run as a user that can read the file") from None
     if not head:
         return "ckpt", None  # indexing reports the empty file precisely
     mode = crypto.sniff_encryption(head)
@@ -198,18 +189,19 @@ def open_checkpoint(
     raises :class:`~ckptd.format.limits.LimitExceededError`. ``digest`` hashes the file's bytes as
     they are read and released (:mod:`ckptd.format.digest`)."""
     path = os.fspath(path)
-    fmt, enc = sniff_format(path)
-    if enc is None and key is not None:
-        raise NotEncryptedError(f"file is a plaintext {fmt} file but a key was given", path=path)
-    if enc is not None and key is None:
-        raise KeyRequiredError(f"file is {enc.value} encrypted", path=path)
     source: ByteSource
-    try:
-        if enc is not None:
-            assert key is not None
-            source = crypto.EncryptedSource(path, key, mode or enc, workers=workers, digest=digest)
-        else:
-            source = MmapSource(path, digest)
+    try:  # one open: the format is sniffed from the mapping the reads then use
+        raw = MmapSource(path, digest)
+        try:
+            fmt, enc = _format_of(bytes(raw.view(0, min(16, raw.size))), raw.size, path)
+            if enc is None and key is not None:
+                raise NotEncryptedError(f"file is a plaintext {fmt} file but a key was given", path=path)
+            if enc is not None and key is None:
+                raise KeyRequiredError(f"file is {enc.value} encrypted", path=path)
+            source = raw if enc is None else crypto.EncryptedSource(path, key, mode or enc, workers=workers, raw=raw)
+        except BaseException:
+            raw.close()
+            raise
     except CkptdError as exc:
         raise exc.with_path(path) from None
     try:
@@ -265,10 +257,10 @@ def write_checkpoint(
 
     with atomic_write(path, overwrite=overwrite) as fh:
         if enc_key is None:
-            ckpt_fmt.write_ckpt_stream(fh, items, crc=crc)
+            ckpt_write.write_ckpt_stream(fh, items, crc=crc)
             return
         mode = crypto.EncMode(enc_mode)
         crypto.validate_key(enc_key, mode)
         writer = crypto.EncryptingWriter(fh, enc_key, mode, block_size=block_size)
-        ckpt_fmt.write_ckpt_stream(writer, items, crc=crc)  # type: ignore[arg-type]
+        ckpt_write.write_ckpt_stream(writer, items, crc=crc)  # type: ignore[arg-type]
         writer.close()

@@ -8,13 +8,14 @@ Python module does not expose. ``isal`` is used when installed (~1.5x faster per
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import os
 import threading
 import zlib
 from typing import Callable
+
+from ckptd.format.workpool import shared_pool
 
 try:  # optional accelerator, identical results
     from isal.isal_zlib import crc32 as _crc32  # type: ignore[import-not-found]
@@ -24,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 crc32: Callable[..., int] = _crc32
 
 _POLY = 0xEDB88320
+_CPUS = os.cpu_count() or 1  # os.cpu_count() reads /sys each call: ~10 µs a small shard paid
 _MIN_PARALLEL = 64 << 20  # below this, thread hand-off costs more than it saves
 
 
@@ -76,32 +78,6 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-# One pool for the process, created on first use: a pool per call cost a thread start-up per
-# file, and several verifier workers each making a pool of cpu_count threads oversubscribed the
-# cores. Shut down at interpreter exit so no worker outlives the module.
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
-                                                              thread_name_prefix="ckptd-crc")
-    return _pool
-
-
-@atexit.register
-def _shutdown_pool() -> None:
-    global _pool
-    with _pool_lock:
-        pool, _pool = _pool, None
-    if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def parallel_crc32(
     buf: memoryview,
     workers: int | None = None,
@@ -117,7 +93,7 @@ def parallel_crc32(
     order and the caller's memory stays bounded by ``workers`` chunks.
     """
     n = len(buf)
-    workers = workers or os.cpu_count() or 1
+    workers = workers or _CPUS
     pieces = [(off, min(chunk, n - off)) for off in range(0, n, chunk)] or [(0, 0)]
 
     def one(piece: tuple[int, int]) -> int:
@@ -137,7 +113,7 @@ def parallel_crc32(
             ahead(i + 1)
             crcs.append(one(p))
     else:
-        pool = _shared_pool()
+        pool = shared_pool()
         crcs = []
         inflight: collections.deque[concurrent.futures.Future[int]] = collections.deque()
         try:

@@ -28,8 +28,9 @@ import bisect
 import collections
 import os
 import struct
+import concurrent.futures
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Iterator
 
 from ckptd.errors import (
@@ -65,6 +66,7 @@ from ckptd.format.crypto_blocks import (
 )
 from ckptd.format.digest import StreamDigest
 from ckptd.format.source import MmapSource
+from ckptd.format.workpool import BLOCK_BUFFERS, is_exported, shared_pool
 
 __all__ = [
     "ENCRYPT_BLOCK_SIZE",
@@ -84,19 +86,6 @@ __all__ = [
 ]
 
 _CACHE_BLOCKS = 2  # sequential reads straddling a block boundary stay cheap
-
-
-def _exported(buf: bytearray) -> bool:
-    """True while some memoryview/numpy array still refers to ``buf`` (then it must not be reused).
-
-    A bytearray refuses to resize while exported; that is the only public probe CPython offers.
-    """
-    try:
-        buf.append(0)
-    except BufferError:
-        return True
-    del buf[-1]
-    return False
 
 
 def _release(view: memoryview) -> None:
@@ -128,7 +117,7 @@ def require_key(path: str | os.PathLike[str], key: bytes | None = None) -> EncMo
 class EncryptedSource:
     """Random access to the decrypted plaintext of an encrypted ``.ckpt``.
 
-    Memory is bounded: ``view`` keeps at most two decrypted blocks (+1 spare buffer);
+    Memory is bounded: ``view`` keeps at most two decrypted blocks (+``workers`` decrypted ahead, +1 spare);
     ``iter_plaintext`` keeps ``workers + 1``. ``check_key`` (default) detects a wrong key at open
     from block 0's first bytes; pass False when the plaintext is not a .ckpt stream.
     """
@@ -142,7 +131,10 @@ class EncryptedSource:
         workers: int | None = None,
         check_key: bool = True,
         digest: StreamDigest | None = None,
+        raw: MmapSource | None = None,
     ) -> None:
+        """``raw``: the file, already open (``open_checkpoint`` sniffed its first bytes from it);
+        it carries its own digest, and is closed with this source (also when opening fails)."""
         self.path = os.fspath(path)
         if not isinstance(key, (bytes, bytearray, memoryview)):
             raise InvalidKeyError(f"the key must be raw bytes, not {type(key).__name__}", path=self.path)
@@ -154,7 +146,7 @@ class EncryptedSource:
             raise exc.with_path(self.path) from None
         self._key = bytes(key)
         self.workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-        self._raw = MmapSource(self.path, digest)  # the ciphertext is what the file's digest covers
+        self._raw = raw if raw is not None else MmapSource(self.path, digest)  # the digest covers the ciphertext
         try:
             self._open(requested, check_key)
         except CkptdError as exc:
@@ -182,6 +174,8 @@ class EncryptedSource:
         self._key_confirmed = False
         self._closed = False
         self._authentic: set[int] = set()
+        self._ahead: collections.deque[tuple[int, Future[None], bytearray]] = collections.deque()  # see _block
+        self._last_miss = -2
         headers, self.trailer = scan_headers(buf, self.mode, self.path)
         self._headers = headers
         # update_into wants one cipher block of slack; size buffers to this file's largest block.
@@ -268,7 +262,7 @@ class EncryptedSource:
     # --- decryption ---------------------------------------------------------------------------
 
     def _buffer(self, spare: list[bytearray]) -> bytearray:
-        return spare.pop() if spare else bytearray(self._buf_size)
+        return spare.pop() if spare else BLOCK_BUFFERS.take(self._buf_size)
 
     def _decrypt(self, idx: int, out: bytearray) -> memoryview:
         if self._closed:  # a read-ahead worker racing close(): fail cleanly, the map may be gone
@@ -282,28 +276,74 @@ class EncryptedSource:
             self._key_confirmed = True
         return view
 
+    def _decrypt_ahead(self, idx: int, out: bytearray) -> None:
+        self._decrypt(idx, out).release()
+
     def _block(self, idx: int) -> memoryview:
         """Block ``idx``'s plaintext via the small cache; the caller holds ``self._lock``.
 
         An evicted buffer is recycled only when nothing references it any more, so views handed
-        out earlier never change under their holder.
+        out earlier never change under their holder. A reader walking forward block by block (an
+        index pass reads a record header in nearly every 64 MiB block) gets the next blocks
+        decrypted on the shared pool meanwhile: decryption on every core, the digest of the
+        ciphertext and the parse overlap instead of taking turns on one core.
         """
         hit = self._cache.get(idx)
         if hit is None:
             while len(self._cache) >= _CACHE_BLOCKS:
                 _, old = self._cache.popitem(last=False)
-                if not self._spare and not _exported(old):
+                if not self._spare and not is_exported(old):
                     self._spare.append(old)
-            hit = self._buffer(self._spare)
             self._prefetch(idx + 1)  # readers through view() walk forward: start the next block's read
-            try:
-                self._decrypt(idx, hit).release()
-            except BlockFailure:
-                self._spare.append(hit)
-                raise
+            hit = self._take_ahead(idx)
+            if hit is None:
+                hit = self._buffer(self._spare)
+                try:
+                    self._decrypt(idx, hit).release()
+                except BlockFailure:
+                    self._spare.append(hit)
+                    raise
             self._cache[idx] = hit
+            if idx == self._last_miss + 1:
+                self._start_ahead(idx + 1)
+            self._last_miss = idx
         self._cache.move_to_end(idx)
         return memoryview(hit)[: self.blocks[idx].plain_len]
+
+    def _start_ahead(self, idx: int) -> None:
+        """Keep ``workers`` blocks from ``idx`` on decrypting on the shared pool (an index pass
+        parses a header in microseconds and asks for the next block at once: one block ahead
+        would never have started)."""
+        if self.workers == 1:
+            return
+        nxt = self._ahead[-1][0] + 1 if self._ahead else idx
+        while len(self._ahead) < self.workers and nxt < len(self.blocks):
+            if nxt not in self._cache:
+                buf = self._buffer(self._spare)
+                self._ahead.append((nxt, shared_pool().submit(self._decrypt_ahead, nxt, buf), buf))
+            nxt += 1
+        self._prefetch(nxt)
+
+    def _take_ahead(self, idx: int) -> bytearray | None:
+        """The buffer block ``idx`` was decrypted into ahead, or None if it was not."""
+        if not self._ahead or self._ahead[0][0] != idx:
+            self._drop_ahead()
+            return None
+        _, fut, buf = self._ahead.popleft()
+        try:
+            fut.result()
+        except BlockFailure:
+            self._spare.append(buf)
+            raise
+        return buf
+
+    def _drop_ahead(self) -> None:
+        """Cancel or let finish every decryption ahead and keep the buffers; the caller holds the lock."""
+        while self._ahead:
+            _, fut, buf = self._ahead.popleft()
+            if not fut.cancel():
+                concurrent.futures.wait([fut])
+            self._spare.append(buf)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -362,7 +402,7 @@ class EncryptedSource:
             return
         spare: list[bytearray] = []
         pending: collections.deque[tuple[Future[memoryview], bytearray]] = collections.deque()
-        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckptd-decrypt")
+        pool = shared_pool()
         nxt = 0
         try:
             for _ in range(len(todo)):
@@ -379,12 +419,14 @@ class EncryptedSource:
                     raise self._classify(failure) from None
                 yield view
                 _release(view)
-                if not _exported(buf):
+                if not is_exported(buf):
                     spare.append(buf)
         finally:
             for fut, _ in pending:
                 fut.cancel()
-            pool.shutdown(wait=True)
+            concurrent.futures.wait([fut for fut, _ in pending])  # none may write into a buffer later
+            for buf in spare + [buf for _, buf in pending]:
+                BLOCK_BUFFERS.give(buf)
 
     def _prefetch(self, idx: int) -> None:
         """Start reading block ``idx``'s ciphertext from the disk (a cold scan keeps the disk busy)."""
@@ -403,8 +445,9 @@ class EncryptedSource:
                 raise self._classify(failure) from None
             yield view
             _release(view)
-            if _exported(buf):
+            if is_exported(buf):
                 buf = self._buffer([])
+        BLOCK_BUFFERS.give(buf)
 
     def verify_all(self) -> None:
         """Decrypt and authenticate every block; raise the first failure, classified.
@@ -412,6 +455,8 @@ class EncryptedSource:
         Blocks that already decrypted cleanly (indexing a ``.ckpt`` reads its record headers
         through ``view``, which decrypts nearly every block of a file of large tensors) are not
         decrypted again: the result would be the same, and it was half of the CPU time."""
+        with self._lock:
+            self._drop_ahead()
         todo = self._iter_blocks([i for i in range(len(self.blocks)) if i not in self._authentic])
         for _ in todo:
             pass
@@ -419,7 +464,11 @@ class EncryptedSource:
     def close(self) -> None:
         if getattr(self, "_closed", True):
             return
+        with self._lock:
+            self._drop_ahead()
         self._closed = True
+        for buf in (*self._cache.values(), *self._spare):
+            BLOCK_BUFFERS.give(buf)  # the next file's decryption starts in warm memory (workpool)
         self._cache.clear()
         self._spare.clear()
         self._buf.release()

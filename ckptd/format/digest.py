@@ -41,6 +41,7 @@ class StreamDigest:
         self.ahead_limit = ahead_limit
         self._lock = threading.Lock()
         self._hex: str | None = None
+        self._whole = False  # a closing source hashed the file to its end
 
     def consume(self, buf: memoryview, offset: int, length: int) -> list[tuple[int, int]]:
         """``buf[offset:offset+length]`` (``buf`` = the whole file) is read; returns the ranges the
@@ -72,21 +73,37 @@ class StreamDigest:
             self._h.update(buf[self.done : end])
             self.done = end
 
+    def closing(self, buf: memoryview) -> None:
+        """The source mapping the whole file as ``buf`` closes: a short unhashed rest (the CRC
+        trailer, the records after a small file's last released range) is hashed from it now, so
+        :meth:`finish` need not open the file again (a small shard's verification opened it a
+        second time only for that). A longer rest is left to :meth:`finish`, as before."""
+        with self._lock:
+            if self._hex is None and len(buf) - self.done <= _GAP:
+                self._ahead.clear()
+                self._ahead_bytes = 0
+                self._advance(buf, len(buf))
+                self._whole = True
+
     def finish(self, path: str) -> str:
         """The hex digest of the whole file at ``path``: hashes what was not consumed yet."""
         with self._lock:
             if self._hex is None:
-                self._ahead.clear()
-                self._ahead_bytes = 0
-                src = MmapSource(path)
-                try:
-                    for off in range(self.done, src.size, _CHUNK):
-                        n = min(_CHUNK, src.size - off)
-                        src.prefetch(off + n, _CHUNK)
-                        self._h.update(src.view(off, n))
-                        src.release(off, n)
-                    self.done = max(self.done, src.size)
-                finally:
-                    src.close()
+                if not self._whole:
+                    self._hash_rest(path)
                 self._hex = self._h.hexdigest()
             return self._hex
+
+    def _hash_rest(self, path: str) -> None:
+        self._ahead.clear()
+        self._ahead_bytes = 0
+        src = MmapSource(path)
+        try:
+            for off in range(self.done, src.size, _CHUNK):
+                n = min(_CHUNK, src.size - off)
+                src.prefetch(off + n, _CHUNK)
+                self._h.update(src.view(off, n))
+                src.release(off, n)
+            self.done = max(self.done, src.size)
+        finally:
+            src.close()

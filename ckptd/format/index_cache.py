@@ -5,7 +5,8 @@ verification (CRC, digest, content) and the step checks (shapes, replicas) — a
 parsing the protobuf records is most of the cost. An :class:`IndexCache` passed to
 ``open_checkpoint`` lets the later opens reuse the first parse.
 
-A hit requires the same (path, device, inode, size, mtime, ctime) *of the open descriptor*: any
+A hit requires the same (device, inode, size, mtime, ctime) *of the open descriptor* — not the
+same name: the daemon opens shards through ``/proc/self/fd`` names (:mod:`ckptd.confine`). Any
 write through the file system changes mtime and ctime, and putting an old mtime back (``utime``)
 changes ctime, so a cached index always describes the bytes as they were written. Damage below the
 file system (bit rot) is invisible to an index anyway; CRCs and digests read the bytes every time.
@@ -21,7 +22,7 @@ from collections import OrderedDict
 
 from ckptd.format.ckpt import CkptIndex
 
-CacheKey = tuple[str, int, int, int, int, int]
+CacheKey = tuple[int, int, int, int, int]
 
 
 class IndexCache:
@@ -36,7 +37,7 @@ class IndexCache:
 
     @staticmethod
     def key_for(path: str, st: os.stat_result) -> CacheKey:
-        return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # path: any name of the file
 
     def get(self, key: CacheKey) -> CkptIndex | None:
         with self._lock:

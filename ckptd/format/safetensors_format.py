@@ -36,18 +36,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
 from ckptd.errors import CkptdError, CorruptError, FormatError, TruncatedError, UnsupportedDtypeError
 from ckptd.format import dtypes as dt
-from ckptd.format.atomic import atomic_write
 from ckptd.format.crc import crc32, crc32_combine, parallel_crc32
 from ckptd.format.entry import TensorEntry
 from ckptd.format.limits import (
@@ -63,21 +60,21 @@ FORMAT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The format's own ceiling (the Rust reference refuses larger headers): a length field beyond it
 is not a safetensors header. ckptd's limit, :data:`MAX_HEADER_BYTES`, is lower."""
 
-__all__ = ["FORMAT_MAX_HEADER_BYTES", "MAX_HEADER_BYTES", "MAX_JSON_HEADER_BYTES", "SafetensorsIndex",
-           "array_view", "compute_crc", "crc32_zeros", "crc_of_items", "encode_header", "index_safetensors",
-           "sniff_safetensors", "write_safetensors"]
+__all__ = ["FORMAT_MAX_HEADER_BYTES", "INDEX_QUIRK_DTYPES", "MAX_HEADER_BYTES", "MAX_JSON_HEADER_BYTES",
+           "ST_DTYPE_RANK", "SafetensorsIndex", "array_view", "compute_crc", "crc32_zeros", "index_safetensors",
+           "is_unicode", "scalar_index", "sniff_safetensors"]
 
 METADATA_KEY = "__metadata__"
 INT4_MARKER = "Int4"
 
 #: safetensors' ``Dtype`` enum order (increasing alignment); files list tensors by descending rank, then name.
-_ST_DTYPE_RANK = {
+ST_DTYPE_RANK = {
     name: rank
     for rank, name in enumerate(("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"))
 }
 
 #: MindSpore dtypes whose 0-d numpy arrays hit the ``bytes(int)`` quirk in the CRC.
-_INDEX_QUIRK_DTYPES = frozenset({"Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Int4"})
+INDEX_QUIRK_DTYPES = frozenset({"Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "Int4"})
 _SIGNED = frozenset({"Int8", "Int16", "Int32", "Int64", "Int4"})
 _MAX_SSIZE = 2**63 - 1  # bytes(n) needs n to fit a Py_ssize_t
 _PARALLEL_CRC_MIN = 64 << 20
@@ -243,7 +240,7 @@ def _scan_compact(raw: bytes | memoryview, data_start: int, max_entries: int,
         if raw[pos : pos + 1] != b"}":
             return pos
         pos += 1
-        if not all(_is_unicode(k) and _is_unicode(v) for k, v in metadata.items()):
+        if not all(is_unicode(k) and is_unicode(v) for k, v in metadata.items()):
             raise CorruptError("__metadata__ must map strings to strings", offset=8 + meta_at)
         if raw[pos : pos + 1] == b",":
             pos += 1
@@ -361,7 +358,7 @@ def _key_offset(raw: bytes | memoryview, key: str) -> int:
 def _parse_metadata(value: Any, raw: bytes) -> dict[str, str]:
     if value is None:
         return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) and _is_unicode(v) and _is_unicode(k) for k, v in value.items()):
+    if not isinstance(value, dict) or not all(isinstance(v, str) and is_unicode(v) and is_unicode(k) for k, v in value.items()):
         raise CorruptError("__metadata__ must map strings to strings", offset=_key_offset(raw, METADATA_KEY))
     return dict(value)
 
@@ -377,7 +374,7 @@ def _entry_error(name: str, raw: bytes, message: str, cls: type[CkptdError] = Co
 
 def _parse_entry(name: str, info: Any, metadata: dict[str, str], raw: bytes, data_start: int,
                  shapes: dict[tuple[int, ...], tuple[int, ...]]) -> TensorEntry:
-    if not _is_unicode(name):
+    if not is_unicode(name):
         raise _entry_error(name, raw, "name is not valid Unicode (lone surrogate escape)")
     if not isinstance(info, dict):
         raise _entry_error(name, raw, "header entry is not an object")
@@ -395,7 +392,7 @@ def _parse_entry(name: str, info: Any, metadata: dict[str, str], raw: bytes, dat
 def _make_entry(name: str, st_dtype: str, shape: tuple[int, ...], begin: int, end: int, metadata: dict[str, str],
                 raw: bytes, data_start: int) -> TensorEntry:
     """The entry of a structurally sound header item, or the error about what it says."""
-    if not _is_unicode(name):
+    if not is_unicode(name):
         raise _entry_error(name, raw, "name is not valid Unicode (lone surrogate escape)")
     try:
         ms_dtype = dt.ms_name_from_safetensors(st_dtype)
@@ -413,7 +410,7 @@ def _make_entry(name: str, st_dtype: str, shape: tuple[int, ...], begin: int, en
     return TensorEntry(name, ms_dtype, shape, ((data_start + begin, end - begin),), data_start + begin)
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """JSON may escape lone surrogates (Python accepts them, serde_json does not): reject them."""
     try:
         text.encode("utf-8")
@@ -466,7 +463,7 @@ def crc32_zeros(crc: int, count: int) -> int:
     return crc32_combine(crc ^ 0xFFFFFFFF, 0, count) ^ 0xFFFFFFFF
 
 
-def _scalar_index(ms_dtype: str, raw: bytes | memoryview, name: str) -> int:
+def scalar_index(ms_dtype: str, raw: bytes | memoryview, name: str) -> int:
     """The length ``bytes()`` gives a 0-d integer array, or an error where MindSpore's own fails."""
     value = int.from_bytes(raw, "little", signed=ms_dtype in _SIGNED)
     if value < 0:
@@ -501,9 +498,9 @@ def compute_crc(source: ByteSource, index: SafetensorsIndex, *, workers: int | N
         crc = crc32(ent.name.encode("utf-8"), crc)
         (offset, length), = ent.segments
         view = source.view(offset, length)
-        if ent.shape == () and ent.dtype in _INDEX_QUIRK_DTYPES:
+        if ent.shape == () and ent.dtype in INDEX_QUIRK_DTYPES:
             try:
-                crc = crc32_zeros(crc, _scalar_index(ent.dtype, view, ent.name))
+                crc = crc32_zeros(crc, scalar_index(ent.dtype, view, ent.name))
             except CkptdError as exc:
                 exc.offset = offset
                 exc.args = (str(exc),)
@@ -513,181 +510,3 @@ def compute_crc(source: ByteSource, index: SafetensorsIndex, *, workers: int | N
         if release is not None:  # unmap what is done (and let a digest riding on the reads take it)
             release(offset, length)
     return crc
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Item:
-    name: str
-    ms_dtype: str
-    array: np.ndarray  # C-contiguous, storage dtype
-
-    @property
-    def st_dtype(self) -> str:
-        return dt.safetensors_name(self.ms_dtype)
-
-
-def _as_item(name: Any, value: Any, forced: str | None) -> _Item:
-    if not isinstance(name, str):
-        raise CkptdError(f"tensor name {name!r} is not a string")
-    if name == METADATA_KEY:
-        raise CkptdError(f"{METADATA_KEY!r} is reserved by safetensors and cannot name a tensor")
-    if not _is_unicode(name):
-        raise CkptdError(f"tensor name {name!r} is not valid Unicode (lone surrogate)")
-    typed = getattr(value, "dtype", None)
-    if isinstance(typed, str) and hasattr(value, "data"):  # ckptd TypedArray(dtype, data)
-        forced, value = forced or typed, value.data
-    if isinstance(value, bool):
-        arr = np.array(value, dtype="?")
-    elif isinstance(value, int):
-        if not -(2**63) <= value < 2**63:
-            raise CkptdError(f"{name!r}: integer {value} does not fit Int64")
-        arr = np.array(value, dtype="<i8")  # MindSpore: Tensor(int) is Int64
-    elif isinstance(value, float):
-        arr = np.array(value, dtype="<f4")  # MindSpore: Tensor(float) is Float32
-    elif isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "__array__"):
-        arr = np.asarray(value)
-    else:
-        raise CkptdError(f"cannot write {name!r} of type {type(value).__name__}", hint="pass numpy arrays")
-    if forced is None:
-        ms_dtype = dt.ms_name_for(arr.dtype)
-    else:
-        storage = dt.numpy_dtype(forced)
-        ms_dtype = forced
-        hint = "BFloat16 takes uint16 bits, Int4 int8 storage; other dtypes must match the array (cast it first)"
-        if arr.dtype.byteorder == ">" or arr.dtype.itemsize != storage.itemsize or arr.dtype.kind not in "biuf":
-            raise UnsupportedDtypeError(
-                f"{name!r}: declared {forced} needs {storage.itemsize}-byte little-endian storage, got {arr.dtype}", hint=hint
-            )
-        if forced not in ("BFloat16", "Int4") and dt.ms_name_for(arr.dtype) != forced:
-            raise UnsupportedDtypeError(f"{name!r}: declared {forced} but the array is {arr.dtype}", hint=hint)
-        arr = arr.view(storage) if arr.dtype != storage else arr
-    # not np.ascontiguousarray: it turns 0-d arrays into shape (1,)
-    return _Item(name, ms_dtype, arr if arr.flags.c_contiguous else arr.copy(order="C"))
-
-
-def _collect(tensors: Iterable[tuple[str, Any]] | Mapping[str, Any], forced: Mapping[str, str]) -> list[_Item]:
-    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-    items: list[_Item] = []
-    seen: set[str] = set()
-    for pair in pairs:
-        try:
-            name, value = pair
-        except (TypeError, ValueError):
-            raise CkptdError(f"expected (name, array) pairs, got {type(pair).__name__}") from None
-        if name in seen:
-            raise CkptdError(f"tensor name {name!r} given twice")
-        seen.add(name)
-        items.append(_as_item(name, value, forced.get(name)))
-    unknown = set(forced) - seen
-    if unknown:
-        raise CkptdError(f"dtypes given for unknown tensors: {sorted(unknown)}")
-    return items
-
-
-def _raw_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
-
-
-def crc_of_items(items: Iterable[tuple[str, str, np.ndarray]]) -> int:
-    """MindSpore's CRC over (name, MindSpore dtype, contiguous storage array), in the given order."""
-    crc = 0
-    for name, ms_dtype, arr in items:
-        crc = crc32(name.encode("utf-8"), crc)
-        if arr.shape == () and ms_dtype in _INDEX_QUIRK_DTYPES:
-            crc = crc32_zeros(crc, _scalar_index(ms_dtype, arr.tobytes(), name))
-        else:
-            crc = crc32(_raw_bytes(arr), crc)
-    return crc
-
-
-def _ms_metadata(items: list[_Item], metadata: Mapping[str, str] | None, crc: int | None) -> dict[str, str]:
-    """The ``__metadata__`` MindSpore's ``_exec_save`` builds, in its insertion order."""
-    meta = {"format": "ms"}
-    for key, value in (metadata or {}).items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise CkptdError(f"metadata must map str to str, got {key!r}: {value!r}")
-        meta[key] = value
-    for item in sorted(items, key=lambda i: i.name):
-        if item.ms_dtype == INT4_MARKER:
-            meta[item.name] = INT4_MARKER
-    if crc is not None:
-        meta["crc_num"] = str(crc)
-    for key, value in meta.items():
-        if not (_is_unicode(key) and _is_unicode(value)):
-            raise CkptdError(f"metadata entry {key!r} is not valid Unicode")
-    return meta
-
-
-def _json_str(text: str) -> str:
-    # serde_json escapes exactly what json.dumps(ensure_ascii=False) does: " \\ and C0 controls
-    # (\b \f \n \r \t short, others \u00xx lowercase); non-ASCII, DEL and '/' stay raw.
-    return json.dumps(text, ensure_ascii=False)
-
-
-def encode_header(metadata: Mapping[str, str] | None, layout: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
-    """serde_json's compact header for (name, safetensors dtype, shape, begin, end) in file order.
-
-    No spaces, ``__metadata__`` first (omitted when None), keys dtype/shape/data_offsets, then
-    padded with spaces to a multiple of 8 so that the data starts 8-aligned.
-    """
-    parts = []
-    if metadata is not None:
-        body = ",".join(f"{_json_str(k)}:{_json_str(v)}" for k, v in metadata.items())
-        parts.append(f'"{METADATA_KEY}":{{{body}}}')
-    for name, st_dtype, shape, begin, end in layout:
-        dims = ",".join(str(d) for d in shape)
-        parts.append(f'{_json_str(name)}:{{"dtype":"{st_dtype}","shape":[{dims}],"data_offsets":[{begin},{end}]}}')
-    raw = ("{" + ",".join(parts) + "}").encode("utf-8")
-    return raw + b" " * (-len(raw) % 8)
-
-
-def _file_order(items: Iterable[_Item]) -> list[_Item]:
-    """safetensors' data order: descending dtype alignment rank, then name (UTF-8 byte order)."""
-    return sorted(items, key=lambda i: (-_ST_DTYPE_RANK[i.st_dtype], i.name))
-
-
-def write_safetensors(
-    path: str | os.PathLike[str],
-    tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
-    *,
-    metadata: Mapping[str, str] | None = None,
-    crc: bool = False,
-    dtypes: Mapping[str, str] | None = None,
-    overwrite: bool = False,
-) -> None:
-    """Atomically write the file MindSpore's ``save_checkpoint(format="safetensors")`` writes.
-
-    ``tensors`` are (name, value) pairs (or a mapping): numpy arrays, ckptd ``TypedArray``, or
-    Python bool/int/float (like ``append_dict``: Bool/Int64/Float32). ``dtypes[name]`` declares
-    the MindSpore dtype when numpy cannot (``"BFloat16"`` for uint16 bits, ``"Int4"`` for int8
-    storage). ``metadata`` adds keys after ``"format": "ms"`` (e.g. ``{"remove_redundancy":
-    "True"}``); Int4 markers and ``crc_num`` (with ``crc``) are added as MindSpore does. With no
-    tensors the header is ``{}`` (MindSpore passes no metadata then).
-
-    Arrays are referenced, not copied (except non-contiguous ones), and streamed to disk after
-    the header; the output matches MindSpore's bytes except for ``__metadata__`` key order, which
-    safetensors randomises (see module doc).
-    """
-    items = _collect(tensors, dtypes or {})
-    crc_value = crc_of_items((i.name, i.ms_dtype, i.array) for i in sorted(items, key=lambda i: i.name)) if crc else None
-    meta = _ms_metadata(items, metadata, crc_value) if items else None
-    ordered = _file_order(items)
-    layout = []
-    pos = 0
-    for item in ordered:
-        layout.append((item.name, item.st_dtype, tuple(item.array.shape), pos, pos + item.array.nbytes))
-        pos += item.array.nbytes
-    header = encode_header(meta, layout)
-    with atomic_write(path, overwrite=overwrite) as fh:
-        _stream(fh, header, ordered)
-
-
-def _stream(fh: BinaryIO, header: bytes, ordered: list[_Item]) -> None:
-    fh.write(struct.pack("<Q", len(header)))
-    fh.write(header)
-    for item in ordered:
-        if item.array.nbytes:
-            fh.write(_raw_bytes(item.array))

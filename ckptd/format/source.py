@@ -93,6 +93,8 @@ class MmapSource:
         return self._buf[offset : offset + length]
 
     def close(self) -> None:
+        if self.digest is not None and self._mm is not None:
+            self.digest.closing(self._buf)
         self._buf.release()
         if self._mm is not None:
             try:

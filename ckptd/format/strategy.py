@@ -20,6 +20,7 @@ import everything strategy-related from this module. Module order (no cycles):
 from __future__ import annotations
 
 import os
+import stat
 from typing import Mapping
 
 from ckptd.errors import CkptdError, StrategyError
@@ -54,10 +55,15 @@ def load_strategy(path: str | os.PathLike[str], *, limits: StrategyLimits = DEFA
     ``limits`` (:mod:`ckptd.format.limits`) bounds the file's size and what parsing may build;
     beyond them a :class:`~ckptd.format.limits.StrategyLimitError` (a StrategyError) says which."""
     try:
-        size = os.path.getsize(path)
-        if size > limits.max_bytes:
-            raise _too_large(size, limits.max_bytes, path)
-        with open(path, "rb") as fh:
+        # non-blocking, and refused unless regular: a FIFO named as a strategy file must not hang
+        # the reader (a job thread, a CLI) in open() or read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StrategyError("not a regular file: a strategy file is one the job saved", path=path)
+            if st.st_size > limits.max_bytes:
+                raise _too_large(st.st_size, limits.max_bytes, path)
             data = fh.read(limits.max_bytes + 1)
     except OSError as err:
         raise StrategyError(f"cannot read strategy file: {err.strerror or err}", path=path) from None

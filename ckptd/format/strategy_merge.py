@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import re
 from typing import Iterable, Mapping
 
 from ckptd import confine
@@ -40,14 +39,12 @@ from ckptd.errors import StrategyError
 from ckptd.format.layout import TensorLayout
 from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_bytes
+from ckptd.runlayout import rank_strategy_rank
 
 __all__ = ["load_rank_strategies", "merge_rank_strategies"]
 
-# Mirrors ckptd.runlayout's per-rank strategy name rule (the path rules live there): MindFormers
-# names them after strategy_ckpt_save_file with ".ckpt" -> "_rank_<r>.ckpt"; the greedy ".+" makes
-# the *last* "_rank_<r>" the tag. merge_pipeline_strategys' own output (merged_ckpt_strategy*.ckpt)
-# and MindFormers' merge_succeed.txt live in the same directory and are not per-rank files.
-_RANK_FILE = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
+# Which names are per-rank files is ckptd.runlayout's rule (rank_strategy_rank): merge_pipeline_strategys'
+# own output (merged_ckpt_strategy*.ckpt) and MindFormers' merge_succeed.txt share the directory.
 _READ_CHUNK = 1 << 20
 
 
@@ -303,9 +300,9 @@ def load_rank_strategies(
                             hint="pass the directory holding the per-rank strategy files (<run>/strategy)") from None
     by_rank: dict[int, list[str]] = {}
     for name in names:
-        m = _RANK_FILE.match(name)
-        if m is not None:
-            by_rank.setdefault(int(m.group("rank")), []).append(name)
+        rank = rank_strategy_rank(name)
+        if rank is not None:
+            by_rank.setdefault(rank, []).append(name)
     parse_limits = limits or DEFAULT_STRATEGY_LIMITS
     if len(by_rank) > parse_limits.max_items:
         raise StrategyLimitError(f"{len(by_rank)} ranks' strategy files: more than ckptd's limit of "

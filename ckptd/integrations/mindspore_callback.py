@@ -43,6 +43,7 @@ import threading
 import mindspore as ms
 from mindspore.train.callback import Callback, ModelCheckpoint
 
+from ckptd import runlayout
 from ckptd.launcher.heartbeat import HealthReporter, Heartbeat, write_sidecar
 
 #: the thread MindSpore's save_checkpoint(async_save=True) writes the file from
@@ -211,7 +212,7 @@ class CkptdCallback(Callback):
         for path, t in list(self._committers.items()):
             if not t.is_alive() and not os.path.exists(path):
                 try:
-                    os.unlink(path + ".done")
+                    os.unlink(runlayout.sidecar_for(path))
                 except FileNotFoundError:
                     pass
                 del self._committers[path]

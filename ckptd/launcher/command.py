@@ -22,19 +22,10 @@ import shutil
 from dataclasses import dataclass, field
 
 from ckptd.launcher import elastic, template
-from ckptd.launcher.oracle import (
-    ConversionError,
-    OracleError,
-    ResumeAnswer,
-    ask_command,
-    ask_http,
-    check_ready,
-)
-from ckptd.launcher.supervise import Job, Log, Restarts, Watch, ask_patiently, settle, supervise
+from ckptd.launcher.oracle import ConversionError, ResumeAnswer, ask_command
+from ckptd.launcher.supervise import JOB_ENV, Job, Log, Restarts, Watch, ask_ckptd_once, ask_patiently, supervise
 
 _WORKER_NUM = re.compile(r"^--worker_num(?:=(\d+))?$")
-#: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
-JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
 
 
 @dataclass
@@ -55,6 +46,8 @@ class LaunchSpec:
     oracle_wait: float = 120.0
     oracle_backoff: float = 0.5
     oracle_backoff_max: float = 10.0
+    #: ask for the newest step with no shard on an unreachable node (a node was lost)
+    exclude_unreachable: bool = False
     watch: Watch = field(default_factory=Watch)
     restarts: Restarts = field(default_factory=Restarts)
 
@@ -76,10 +69,17 @@ def parse_layout(text: str | None, world: int) -> elastic.Layout | None:
     """``--layout`` checked before anything starts: parsable, and as many ranks as the job has."""
     if text is None:
         return None
+    from ckptd.convert.layouts import parse_layout_spec
+    from ckptd.convert.plan import ConvertError
+
     try:
-        layout = elastic.parse_layout(text)
-    except ValueError as err:
-        raise LaunchError(str(err)) from None
+        spec = parse_layout_spec(text)
+    except ConvertError as err:
+        # parse_layout_spec's own hints name --to-layout; any other is the converter's generic one
+        hint = err.hint if err.hint and "--to-layout" in err.hint else "use e.g. --layout tp=2,dp=1[,pp=2]"
+        raise LaunchError(f"bad --layout {text!r}: {err.message.replace('--to-layout', '--layout')}; "
+                          f"{hint.replace('--to-layout', '--layout')}") from None
+    layout = elastic.Layout(spec["tp"], spec["dp"], spec.get("pp"))
     if layout.world != world:
         raise LaunchError(f"--layout {layout} is {layout.world} ranks, the job has {world} (--world / msrun "
                           f"--worker_num): declare the layout the job will run")
@@ -127,10 +127,12 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
     def once(timeout: float) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
         # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
-        check_ready(url, timeout=min(5.0, timeout))
-        if spec.settle_timeout > 0:
-            settle(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, log, attempt)
-        answer = ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world)
+        answer = ask_ckptd_once(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, timeout, log,
+                                attempt, spec.exclude_unreachable)
+        unreachable = (answer.body or {}).get("unreachable_nodes")
+        if unreachable:  # the job would load shards from a node whose daemon is silent: say so
+            log(attempt=attempt, event="warning", step=answer.step, unreachable_nodes=",".join(unreachable),
+                reason="the answer depends on unreachable node(s); --exclude-unreachable skips such steps")
         if spec.layout is None:
             refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
                                              "a copy ckptd re-shards for it")
@@ -178,8 +180,5 @@ def run(spec: LaunchSpec) -> int:
                                                                     arg_templates, env_templates),
                          spec.restarts, fresh=spec.fresh)
     except template.TemplateError as err:  # an answer the templates cannot use: stop, never guess
-        log(event="oracle_error", reason=str(err))
-        return 2
-    except OracleError as err:
         log(event="oracle_error", reason=str(err))
         return 2

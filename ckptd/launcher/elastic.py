@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckptd import runlayout
 from ckptd.launcher.oracle import ConversionError, ResumeAnswer, list_conversions, request_conversion, wait_for_job
 
 
@@ -41,21 +42,6 @@ class Layout:
 
     def __str__(self) -> str:
         return f"tp={self.tp},dp={self.dp}" + (f",pp={self.pp}" if self.pp is not None else "")
-
-
-def parse_layout(text: str) -> Layout:
-    """``"tp=2,dp=1[,pp=2]"`` -> :class:`Layout`; ValueError (message + hint) when it is not one."""
-    from ckptd.convert.layouts import parse_layout_spec
-    from ckptd.convert.plan import ConvertError
-
-    try:
-        spec = parse_layout_spec(text)
-    except ConvertError as err:
-        # parse_layout_spec's own hints name --to-layout; any other is the converter's generic one
-        hint = err.hint if err.hint and "--to-layout" in err.hint else "use e.g. --layout tp=2,dp=1[,pp=2]"
-        raise ValueError(f"bad --layout {text!r}: {err.message.replace('--to-layout', '--layout')}; "
-                         f"{hint.replace('--to-layout', '--layout')}") from None
-    return Layout(spec["tp"], spec["dp"], spec.get("pp"))
 
 
 @dataclass(frozen=True)
@@ -176,11 +162,11 @@ def listed_copy(conversion: dict, answer: ResumeAnswer, world: int, target_hash:
     out = str(conversion["out_dir"])
     shards = []
     for rank in range(world):
-        files = glob.glob(os.path.join(out, f"rank_{rank}", "*.ckpt"))
+        files = glob.glob(os.path.join(runlayout.shard_dir(out, rank), "*.ckpt"))
         if len(files) != 1:
             return None  # deleted (retention) or not a complete conversion: ask for a new one
         shards.append({"rank": rank, "path": files[0]})
-    strategy = os.path.join(out, "strategy.ckpt")
+    strategy = runlayout.converted_strategy_path(out)
     return _converted(answer, world, target_hash, shards, strategy if os.path.exists(strategy) else None,
                       f"re-sharded copy (conversion {conversion.get('id')})")
 
@@ -208,7 +194,7 @@ def resume_converted(url: str, run: str, layout: Layout, target_hash: str | None
                f"this job's {short(target_hash)})")
     log(event="convert_requested", step=answer.step, from_world=from_world, to_world=world, layout=layout, reason=why)
     t0 = time.monotonic()
-    job_id = request_conversion(url, run, name_step(answer), layout.tp, layout.dp, pp=layout.pp)
+    job_id = request_conversion(url, run, name_step(answer), str(layout))
     job = wait_for_job(url, job_id, timeout)
     result = job.get("result") if isinstance(job.get("result"), dict) else {}
     want = target_hash if target_hash is not None else result.get("target_strategy_hash")

@@ -18,6 +18,7 @@ import urllib.request
 
 import xxhash
 
+from ckptd import runlayout
 from ckptd.format.atomic import atomic_write
 
 
@@ -45,7 +46,7 @@ def write_sidecar(path: str) -> None:
         while chunk := fh.read(1 << 20):
             h.update(chunk)
     doc = {"size": os.path.getsize(path), "xxh3_128": h.hexdigest()}
-    with atomic_write(path + ".done", overwrite=True) as out:
+    with atomic_write(runlayout.sidecar_for(path), overwrite=True) as out:
         out.write(json.dumps(doc).encode())
 
 

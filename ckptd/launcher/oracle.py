@@ -28,6 +28,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -70,7 +71,7 @@ def is_transient(err: BaseException) -> bool:
     return isinstance(err, (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException, OSError))
 
 
-def _interpret(body: object, world: int, source: str) -> ResumeAnswer:
+def interpret_answer(body: object, world: int, source: str) -> ResumeAnswer:
     if not isinstance(body, dict):
         raise OracleError(f"{source}: answer is not a JSON object")
     detail = body.get("detail")
@@ -110,13 +111,18 @@ def _skipped_text(skipped: list) -> str:
     return ", ".join(f"{s.get('step')} ({s.get('reason')})" for s in skipped[:3] if isinstance(s, dict))
 
 
-def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None) -> ResumeAnswer:
+def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None,
+             exclude_unreachable: bool = False) -> ResumeAnswer:
     """``world_size``: name the job's world size in the question (ckptd then says whether a conversion
-    is needed and where a ready converted copy is).
+    is needed and where a ready converted copy is). ``exclude_unreachable``: ask for the newest step
+    none of whose shards is on a node whose daemon is silent (after a node loss).
 
     Raises :class:`OracleUnavailable` when ckptd could not be asked (see :func:`is_transient`), and
     :class:`OracleError` for an answer that is not one (a malformed body, 401/403, another 4xx)."""
-    query = f"?world_size={int(world_size)}" if world_size is not None else ""
+    params = {"world_size": str(int(world_size))} if world_size is not None else {}
+    if exclude_unreachable:
+        params["exclude_unreachable"] = "true"
+    query = "?" + urllib.parse.urlencode(params) if params else ""
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume{query}", method="GET")
     token = os.environ.get("CKPTD_TOKEN")
     if token:
@@ -127,7 +133,7 @@ def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: 
     except urllib.error.HTTPError as err:
         if err.code == 404:
             try:
-                return _interpret(json.loads(err.read()), world, "ckptd")
+                return interpret_answer(json.loads(err.read()), world, "ckptd")
             except (ValueError, OracleError, OSError, http.client.HTTPException):
                 pass
             # a 404 that is not ckptd's (wrong URL, another service): asking again will not help
@@ -143,7 +149,7 @@ def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: 
         body = json.loads(raw)
     except ValueError as err:
         raise OracleError(f"ckptd: malformed answer (not JSON: {err})") from None
-    return _interpret(body, world, "ckptd")
+    return interpret_answer(body, world, "ckptd")
 
 
 def _reason(err: BaseException) -> str:
@@ -190,11 +196,11 @@ def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
         body = None
     if proc.returncode != 0:
         if isinstance(body, dict):
-            answer = _interpret(body, world, "resume-cmd")
+            answer = interpret_answer(body, world, "resume-cmd")
             if answer.step is None:
                 return answer
         raise OracleError(f"resume command exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-    return _interpret(body, world, "resume-cmd")
+    return interpret_answer(body, world, "resume-cmd")
 
 
 # --- waiting for ckptd to catch up with the disk ---------------------------------------------------
@@ -371,12 +377,10 @@ def _call(url: str, method: str, body: dict | None, timeout: float) -> object:
         raise ConversionUnavailable(f"ckptd unreachable ({method} {url}): {_reason(err)}") from None
 
 
-def request_conversion(url: str, run: str, step: int, tp: int, dp: int, timeout: float = 30.0,
-                       pp: int | None = None) -> int:
-    """``POST /v1/runs/{run}/conversions`` (admin scope) to ``tp=..,dp=..[,pp=..]``: returns the
-    background job's id."""
-    layout = f"tp={int(tp)},dp={int(dp)}" + (f",pp={int(pp)}" if pp is not None else "")
-    doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST", {"step": int(step), "to_layout": layout},
+def request_conversion(url: str, run: str, step: int, to_layout: str, timeout: float = 30.0) -> int:
+    """``POST /v1/runs/{run}/conversions`` (admin scope) to ``to_layout`` (``tp=..,dp=..[,pp=..]``,
+    :class:`ckptd.launcher.elastic.Layout`'s text): returns the background job's id."""
+    doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST", {"step": int(step), "to_layout": to_layout},
                 timeout)
     try:
         return int(doc["id"])  # type: ignore[index]

@@ -34,8 +34,13 @@ from ckptd.launcher.oracle import (
     OracleError,
     OracleUnavailable,
     ResumeAnswer,
+    ask_http,
+    check_ready,
     wait_for_verdicts,
 )
+
+#: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
+JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
 
 #: how far into a step a heartbeat phase is: of several stale ranks, the one furthest behind is the
 #: culprit (ranks blocked in a collective behind a hung peer have reported a later phase or step)
@@ -260,6 +265,16 @@ def ask_patiently(once: Callable[[float], ResumeAnswer], wait: float, backoff: f
             log(attempt=attempt, event="oracle_reached", tries=tries + 1,
                 waited=f"{time.monotonic() - t0:.1f}s", reason="ckptd answered")
         return answer
+
+
+def ask_ckptd_once(url: str, run: str, run_dir: str, world: int, settle_timeout: float, timeout: float, log: Log,
+                   attempt: int, exclude_unreachable: bool = False) -> ResumeAnswer:
+    """One round with ckptd: ready (first rescan done), settle, ask -- naming the job's world size,
+    so ckptd says where a copy re-sharded for it is, if it has one."""
+    check_ready(url, timeout=min(5.0, timeout))
+    if settle_timeout > 0:
+        settle(url, run, run_dir, world, settle_timeout, log, attempt)
+    return ask_http(url, run, world, timeout=timeout, world_size=world, exclude_unreachable=exclude_unreachable)
 
 
 def settle(url: str, run: str, run_dir: str, world: int, timeout: float, log: Log, attempt: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile
+from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile, as_utc
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
 from ckptd.states import StepState
@@ -28,12 +28,8 @@ class InvalidRequestError(CkptdError):
     code = "invalid_request"
 
 
-def _iso(dt: datetime | None) -> str | None:
-    if dt is None:
-        return None
-    if dt.tzinfo is None:  # SQLite drops the zone; values are stored in UTC
-        dt = dt.replace(tzinfo=timezone.utc)
-    return dt.isoformat()
+def iso_time(dt: datetime | None) -> str | None:
+    return None if dt is None else as_utc(dt).isoformat()
 
 
 def get_run(s: Session, name: str) -> Run:
@@ -78,8 +74,8 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
         "world_size": run.world_size,
         "steps": counts,
         "latest_restorable_step": latest[0] if latest else None,
-        "latest_restorable_at": _iso(latest[1]) if latest else None,
-        "created_at": _iso(run.created_at),
+        "latest_restorable_at": iso_time(latest[1]) if latest else None,
+        "created_at": iso_time(run.created_at),
     }
 
 
@@ -88,7 +84,7 @@ def list_nodes(s: Session, timeout: float) -> list[dict[str, Any]]:
     from ckptd.catalog import nodes
 
     counts = nodes.shard_counts(s)
-    return [{"name": st.name, "reachable": st.reachable, "heartbeat_at": _iso(st.heartbeat_at),
+    return [{"name": st.name, "reachable": st.reachable, "heartbeat_at": iso_time(st.heartbeat_at),
              "seconds_since_heartbeat": round(st.seconds_since_heartbeat, 3), "shards": counts.get(st.name, {})}
             for st in sorted(nodes.statuses(s, timeout).values(), key=lambda x: x.name)]
 
@@ -114,7 +110,7 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
         "bad_reason": c.bad_reason,
         "pinned": c.pinned,
         "strategy_file": strategy_path,
-        "updated_at": _iso(c.updated_at),
+        "updated_at": iso_time(c.updated_at),
     }
     if shards is not None:
         out["shards"] = [shard_dict(sh) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
@@ -135,7 +131,7 @@ def shard_dict(sh: Shard) -> dict[str, Any]:
         "error_code": sh.error_code,
         "error": sh.error,
         "quarantined": sh.quarantined,
-        "verified_at": _iso(sh.verified_at),
+        "verified_at": iso_time(sh.verified_at),
         "node": sh.node,
     }
 
@@ -154,11 +150,19 @@ def list_steps(s: Session, run_name: str, state: str | None = None, limit: int =
     return [step_dict(c, strategy_path=paths.get(c.strategy_id)) for c in rows]
 
 
-def show_step(s: Session, run_name: str, step: int) -> dict[str, Any]:
+def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict[str, Any]:
+    """A step with its shards; each shard says whether its node is ``reachable`` now (heartbeat
+    within ``node_timeout``; None: a row no registered node holds, e.g. from before migration 0006)."""
+    from ckptd.catalog import nodes
+
     run = get_run(s, run_name)
     c = get_step(s, run, step)
     shards = s.execute(select(Shard).where(Shard.checkpoint_id == c.id)).scalars().all()
-    return step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards))
+    doc = step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards))
+    known = nodes.statuses(s, node_timeout)
+    for sh in doc["shards"]:
+        sh["reachable"] = known[sh["node"]].reachable if sh["node"] in known else None
+    return doc
 
 
 def _strategy_paths(s: Session, ids: set[int | None]) -> dict[int, str]:

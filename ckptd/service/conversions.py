@@ -18,15 +18,15 @@ inside the checkpoint root, reached without following a symlink.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-import signal
 import stat
-import threading
 from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from sqlalchemy import select
@@ -34,13 +34,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile
+from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile, as_utc
 from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
-from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes, save_strategy
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, load_strategy, parse_strategy_bytes, save_strategy
 from ckptd.runlayout import relative_parts
 from ckptd.service import jobs
-from ckptd.service.catalog import InvalidRequestError, _iso, get_run, get_step
+from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_step
 from ckptd.service.verifier import file_digest, stat_of
 from ckptd.states import ShardState, StepState
 
@@ -110,7 +110,7 @@ def _not_restorable(s: Session, run_name: str, step: int, saves: list[Checkpoint
     return f"step {step} of run {run_name!r} has {len(saves)} saves and none is verified: " + "; ".join(parts)
 
 
-def resolve_target(src: Strategy | None, to_strategy: str | None, to_layout: str | None) -> Strategy | None:
+def resolve_target(src: Strategy | None, to_strategy: str | None, to_layout: str | None, root: str) -> Strategy | None:
     if (to_strategy is None) == (to_layout is None):
         raise InvalidRequestError("give exactly one of to_strategy / to_layout")
     if to_layout is not None:
@@ -119,7 +119,27 @@ def resolve_target(src: Strategy | None, to_strategy: str | None, to_layout: str
         if src is None:
             raise InvalidRequestError("to_layout needs a source strategy file", hint="use to_strategy")
         return derive_strategy(src, **parse_layout_spec(to_layout))
-    return None if to_strategy == "none" else load_strategy(to_strategy)
+    return None if to_strategy == "none" else _load_strategy(root, to_strategy)
+
+
+def _load_strategy(root: str, path: str) -> Strategy:
+    """A strategy file below the root is read only through :mod:`ckptd.confine` (a FIFO there must
+    not block the job thread, a symlink must not be followed); one outside it (``ckptd convert
+    --run --to-strategy``: the operator's own file; the API refuses those) by name."""
+    if runlayout.relative_parts(root, path) is None:
+        return load_strategy(path)
+    return parse_strategy_bytes(confine.read_beneath(root, path, MAX_STRATEGY_BYTES), path)
+
+
+@contextlib.contextmanager
+def _confined_sources(root: str, files: dict) -> Iterator[dict]:
+    """The step's source files opened through :mod:`ckptd.confine` for the whole conversion: the
+    readers get names of the descriptors (a shard swapped for a FIFO or symlink since it was
+    verified is refused here, never opened by name)."""
+    with contextlib.ExitStack() as stack:
+        def one(path: str) -> str:
+            return stack.enter_context(confine.opened(root, path))
+        yield {rank: one(f) if isinstance(f, str) else [one(p) for p in f] for rank, f in files.items()}
 
 
 def convert_step(
@@ -155,13 +175,15 @@ def convert_step(
         meta = (ckpt.run_id, ckpt.prefix, ckpt.epoch, ckpt.step, ckpt.global_step)
     own_job: int | None = None  # the job this call records when no JobRunner job runs it (ckptd convert --run)
     heartbeat = jobs.Heartbeat(sessions)
+    stack = contextlib.ExitStack()  # the confined source descriptors, held until the copy is written
     try:
         if iteration:  # a verified Checkpoint 2.0 iteration: its files per rank and layout from metadata.json
             files, src_strategy = iteration_source(os.path.dirname(next(iter(files.values()))))
             src_hash = src_strategy.content_hash() if src_strategy is not None else "none"
         else:  # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
-            src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None else load_strategy(src_path)
-        target = resolve_target(src_strategy, to_strategy, to_layout)
+            src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None \
+                else _load_strategy(root, src_path)
+        target = resolve_target(src_strategy, to_strategy, to_layout, root)
         target_hash = target.content_hash() if target is not None else "none"
         out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
         with sessions.begin() as s:
@@ -173,7 +195,8 @@ def convert_step(
             # `converted -> /elsewhere` symlink must not redirect it (ckptd.confine)
             confine.make_dirs_beneath(root, os.path.dirname(out))
             confine.check_dir_beneath(root, out)
-        plan = plan_conversion(read_inventory(files, key), src_strategy, target, subset=iteration)
+        sources = stack.enter_context(_confined_sources(root, files))
+        plan = plan_conversion(read_inventory(sources, key), src_strategy, target, subset=iteration)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
                                 target_strategy_hash=target_hash, out_dir=out, state="running")
@@ -190,11 +213,12 @@ def convert_step(
             heartbeat.add(own_job)
         try:
             report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
-                             workers=workers, progress=_fault_hook(progress))
-            strategy_path = os.path.join(out, "strategy.ckpt") if target is not None else None
+                             workers=workers, progress=progress)
+            strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
             if target is not None and not os.path.exists(strategy_path):
                 save_strategy(target, strategy_path)
-            derived = _register(sessions, meta, src_id, target, target_hash, strategy_path, report)
+            derived = _register(sessions, meta, src_id, target, target_hash, strategy_path, report,
+                                node or repo.LOCAL.node)
         except BaseException as exc:
             error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
             with sessions.begin() as s:
@@ -214,32 +238,12 @@ def convert_step(
                 job.result = json.dumps({k: doc[k] for k in ("id", "out_dir", "output_checkpoint_id")})
         return doc
     finally:
+        stack.close()
         heartbeat.close()
         with sessions.begin() as s:
             src = s.get(Checkpoint, src_id)
             if src is not None:
                 src.lease_until = None
-
-
-def _fault_hook(progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
-    """Test hook: ``CKPTD_FAULT_CONVERT_SIGNAL_AT=<fraction>:<KILL|STOP>`` signals this process
-    once that fraction of the output is written (mid-conversion, the temp tree half full)."""
-    spec = os.environ.get("CKPTD_FAULT_CONVERT_SIGNAL_AT")
-    if not spec:
-        return progress
-    fraction, name = spec.split(":")
-    signum, fired, lock = getattr(signal, f"SIG{name}"), [False], threading.Lock()
-
-    def hooked(done: int, total: int) -> None:
-        if progress is not None:
-            progress(done, total)
-        with lock:
-            if fired[0] or not total or done < float(fraction) * total:
-                return
-            fired[0] = True
-        os.kill(os.getpid(), signum)
-
-    return hooked
 
 
 def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
@@ -261,7 +265,8 @@ def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[st
     return conversion_dict(job, s) | {"reused": True}
 
 
-def _register(sessions, meta, src_id, target, target_hash, strategy_path, report) -> int:  # noqa: ANN001
+def _register(sessions, meta, src_id, target, target_hash, strategy_path, report, node: str) -> int:  # noqa: ANN001
+    """Catalogue the copy; its files are on the disk of ``node``, the node that wrote them."""
     run_id, prefix, epoch, step, global_step = meta
     now = datetime.now(timezone.utc)
     with sessions.begin() as s:
@@ -284,7 +289,7 @@ def _register(sessions, meta, src_id, target, target_hash, strategy_path, report
                         inode=st.inode, digest=file_digest(rank.path), state=ShardState.VERIFIED.value,
                         format=report.out_format, encryption="AES-GCM" if report.encrypted else None,
                         crc="valid" if not report.encrypted else "absent", global_step=global_step,
-                        quarantined=False, verified_at=now, seen_at=now))
+                        quarantined=False, verified_at=now, seen_at=now, node=node))
         repo.add_event(s, ckpt.id, None, "step", "ok", f"converted from checkpoint {src_id}; every slice re-read and verified")
         return ckpt.id
 
@@ -300,7 +305,7 @@ def conversion_dict(row: ConversionJob, s: Session) -> dict[str, Any]:
         "out_dir": row.out_dir,
         "output_checkpoint_id": row.output_checkpoint_id,
         "error": row.error,
-        "created_at": _iso(row.created_at),
+        "created_at": iso_time(row.created_at),
     }
 
 
@@ -363,7 +368,7 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
         for row in abandoned:
             src = s.get(Checkpoint, row.source_checkpoint_id)
             if (src is not None and row.source_checkpoint_id not in reading and src.lease_until is not None
-                    and jobs._aware(src.lease_until) > now + RESUME_LEASE):
+                    and as_utc(src.lease_until) > now + RESUME_LEASE):
                 src.lease_until = now + RESUME_LEASE
         # abandoned earlier, maybe by a daemon elsewhere: this machine may hold the temp tree
         for conv_id, out in earlier:
@@ -407,7 +412,7 @@ def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
         host, pid = owner.get("host"), owner.get("pid")
         return lambda h, p: h == host and p == pid
     # no owner recorded: the trees of this host whose process is not running (as convert itself does)
-    me = jobs._machine()["host"]
+    me = jobs.this_machine()["host"]
 
     def dead_here(h: str, p: int) -> bool:
         if h != me:
@@ -445,9 +450,6 @@ def _open_dir_beneath(root: str, path: str) -> int | None:
     return fd
 
 
-_RANK_DIR = re.compile(r"rank_\d+")
-
-
 def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
                        tmp_prefix: str) -> tuple[list[str], list[str], list[str]]:
     """Remove the temp trees ``wanted`` picks in ``out``: (removed paths, refusals, rank directories
@@ -476,7 +478,7 @@ def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
                 continue
             shutil.rmtree(name, dir_fd=fd)
             removed.append(path)
-        partial = sorted(n for n in names if _RANK_DIR.fullmatch(n))
+        partial = sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
     finally:
         os.close(fd)
     return removed, refused, partial

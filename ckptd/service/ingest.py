@@ -15,7 +15,6 @@ import logging
 import os
 import stat as stat_mod
 import time
-from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,16 +22,15 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import layout_history, repo
+from ckptd.catalog import layout_history, repo, verdicts
 from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
-from ckptd.format.checkpoint import open_checkpoint
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
-from ckptd.service import iteration, rank_strategies, runhints
+from ckptd.service import iteration, rank_strategies, replaced, runhints, shardopen
 from ckptd.settings import Settings
-from ckptd.states import RESAVABLE_KINDS, ShardState, StepState
+from ckptd.states import RESAVABLE_KINDS, ShardState, StepState, awaits_verification
 
 log = logging.getLogger("ckptd.ingest")
 _BATCH = 512  # shard paths a rescan examines per batch
@@ -57,17 +55,16 @@ class Ingestor:
         nodes: NodeView | None = None,
     ) -> None:
         self.root = str(settings.root)
-        self.real_root = os.path.realpath(self.root)  # once: resolving it per shard was half of ingest's realpath calls
         self.settings = settings
         self.sessions = sessions
-        self.submit = submit  # shards need verification
+        self.submit = submit  # shards need verification (``Verifier.submit``)
         self.submit_step = submit_step  # a step may be ready for its step-level checks
         self.key = settings.encryption_key()
         self.stamp = settings.verification_stamp()
         self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
         self._ignored: dict[str, str] = {}  # path -> why, so each reason is logged once
         # only the node that sees a file judges it (docs/ARCHITECTURE.md, Nodes)
-        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
+        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
 
     def note_ignored(self, path: str, why: str) -> None:
         """A path that looks like ours but is not taken: say why, once per path and reason."""
@@ -89,7 +86,6 @@ class Ingestor:
         requeue: list[int] = []
         claim: list[str] = []  # files we see whose rows have no node, or an unreachable one
         owner = self.nodes.owner()
-        read_at = datetime.now(timezone.utc)  # the states below are as of now: a later verdict elsewhere wins
         known = self._known_stats()
         try:
             runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
@@ -101,6 +97,9 @@ class Ingestor:
         for run in runs:
             run_path = os.path.join(self.root, run)
             self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
+            for rank, link in runlayout.linked_rank_dirs(run_path).items():
+                self.note_ignored(link, "a rank directory that is a symlink: never followed, nothing in it is catalogued")
+                replaced.note_linked_rank_dir(self.sessions, run, rank, link)
             for shard_dir, layout in runlayout.shard_dirs(run_path):
                 with os.scandir(shard_dir) as it:
                     for entry in it:
@@ -126,10 +125,12 @@ class Ingestor:
                                 todo = []
         self._tally(self.examine_many(todo), report)
         if requeue:
-            self.submit(requeue, read_at)  # the verifier ignores ids it already has queued or in hand
+            self.submit(requeue, if_unverified=True)  # the verifier ignores ids it already has queued or in hand
         for ckpt_id in self._steps_awaiting_checks(runs):
             self.submit_step(ckpt_id)  # shards all verified, step checks never ran (e.g. a crash)
         self._claim_seen(claim, owner)
+        # catalogued files a rescan did not list but whose name still resolves: a rank directory became a symlink
+        replaced.mark_replaced(self.sessions, self.root, [p for p in known if p not in seen and os.path.lexists(p)], owner)
         report.shards_deleted = self._reconcile_deleted(seen, owner)
         return report
 
@@ -168,14 +169,9 @@ class Ingestor:
                 for p, size, mtime, inode, sid, state, node, stamp, code in rows}
 
     def _state_now(self, state: str, stamp: str | None, error_code: str | None) -> str:
-        """A verdict given under another configuration (key, CRC/encryption policy) is not
-        trusted: such a shard is treated like one waiting for verification, so the rescan
-        re-queues it (older rows without a stamp: when their verdict was a configuration error)."""
-        if state not in (ShardState.VERIFIED.value, ShardState.CORRUPT.value):
-            return state
-        if stamp is None:
-            return ShardState.COMPLETE.value if error_code in repo.CONFIG_ERROR_CODES else state
-        return ShardState.COMPLETE.value if stamp != self.stamp else state
+        """A verdict given under another configuration is not trusted: such a shard is treated
+        like one waiting for verification, so the rescan re-queues it."""
+        return ShardState.COMPLETE.value if awaits_verification(state, stamp, error_code, self.stamp) else state
 
     @staticmethod
     def _unchanged(entry: os.DirEntry, known: dict[str, tuple]) -> tuple[int, str] | None:
@@ -239,17 +235,15 @@ class Ingestor:
     def _ingest_shards(self, shards: dict[str, runlayout.ShardName]) -> dict[str, str]:
         outcomes: dict[str, str] = {}
         ready: dict[tuple, list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]] = {}
-        vanished: list[str] = []
+        vanished, swapped = [], []
         for path, name in shards.items():
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
                 vanished.append(path)
                 continue
-            if not stat_mod.S_ISREG(st.st_mode) or not runlayout.resolves_inside(self.root, path, real_root=self.real_root):
-                outcomes[path] = "ignored"  # symlinks (file or directory) are never followed out of the root
-                self.note_ignored(path, "named like a checkpoint shard but not a regular file inside the root "
-                                        "(symlink, FIFO, device or directory): not catalogued")
+            if not stat_mod.S_ISREG(st.st_mode):
+                self._ignore_unreadable(path, outcomes, swapped)
                 continue
             # MindSpore renames into place then chmods 0400; a writable file may still be growing
             # (an operator's cp), so it must be unchanged for settle_seconds first.
@@ -260,18 +254,33 @@ class Ingestor:
                 continue
             fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
             key = (name.run, name.prefix, name.epoch, name.step, name.kind, name.layout, name.incarnation)
-            ready.setdefault(key, []).append((name, repo.ShardFile(name.rank, path, fstat, name.format), self._parse_error(path)))
+            # opened through ckptd.confine: a symlinked directory on the way, or a FIFO swapped in
+            # since the lstat, is refused, not followed or waited on
+            problem = shardopen.parse_error(self.root, path, self.key, self.index_cache)
+            if isinstance(problem, confine.ConfinementError):
+                self._ignore_unreadable(path, outcomes, swapped)
+                continue
+            ready.setdefault(key, []).append((name, repo.ShardFile(name.rank, path, fstat, name.format), problem))
         if vanished:
             outcomes.update(self._vanished_many(vanished))
+        for path in replaced.mark_replaced(self.sessions, self.root, swapped, self.nodes.owner()):
+            outcomes[path] = "changed"  # a catalogued shard swapped for something never read
         for key in sorted(ready):  # one transaction per checkpoint: it locks that one row only
             outcomes.update(self._ingest_checkpoint(key, ready[key]))
+        # after the registrations: a step's new files reset its reason
+        replaced.note_unread(self.sessions, {p: shards[p] for p in swapped if outcomes[p] == "ignored"})
         return outcomes
+
+    def _ignore_unreadable(self, path: str, outcomes: dict[str, str], swapped: list[str]) -> None:
+        outcomes[path] = "ignored"  # symlinks (file or directory) are never followed out of the root
+        self.note_ignored(path, "named like a checkpoint shard but not a regular file inside the root "
+                                "(symlink, FIFO, device or directory): not catalogued")
+        swapped.append(path)
 
     def _ingest_checkpoint(
         self, key: tuple, files: list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]
     ) -> dict[str, str]:
         run_name, prefix, epoch, step, kind, layout, incarnation = key
-        read_at = datetime.now(timezone.utc)  # before the shard states are read
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
@@ -308,7 +317,7 @@ class Ingestor:
             to_verify: list[int] = []
             for reg, (_, f, parse_error) in zip(registered, files, strict=True):
                 if reg.changed and parse_error is not None:
-                    repo.record_verification(
+                    verdicts.record_verification(
                         s, reg.shard_id, f.stat, state=ShardState.CORRUPT, ckpt_id=ckpt.id,
                         values={"error_code": parse_error.code, "error": str(parse_error)}, detail=str(parse_error), seconds=0.0,
                     )
@@ -321,7 +330,7 @@ class Ingestor:
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id
         if to_verify:
-            self.submit(to_verify, read_at)
+            self.submit(to_verify, if_unverified=True)
         elif step_state == StepState.PENDING:
             self.submit_step(ckpt_id)  # every shard verified but the step checks never ran (e.g. a crash)
         return {f.path: "new" if reg.changed else "same" for reg, (_, f, _) in zip(registered, files, strict=True)}
@@ -352,18 +361,6 @@ class Ingestor:
             if state == StepState.PENDING:
                 self.submit_step(ckpt_id)  # every shard of the new layout verified: check the step under it
 
-    def _parse_error(self, path: str) -> CkptdError | None:
-        """'complete' requires that the file parses; this reads record headers only."""
-        if path.endswith(".json"):  # a Checkpoint 2.0 record: parsed whole by the verifier
-            return None
-        try:
-            with open_checkpoint(path, self.key, index_cache=self.index_cache):
-                return None
-        except CkptdError as err:
-            return err
-        except OSError as err:
-            return CkptdError(f"cannot read: {err.strerror}", path=path)
-
     def _vanished_many(self, paths: list[str]) -> dict[str, str]:
         """Mark catalogued shards whose files are gone as deleted (rows are kept for history);
         one transaction per checkpoint — a keep-last-N rotation removes a whole step at once."""
@@ -380,7 +377,7 @@ class Ingestor:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
                 gone = [sh for sh in s.execute(select(Shard).where(
                     Shard.path.in_(by_ckpt[ckpt_id]), Shard.state != ShardState.DELETED.value)).scalars()
-                    if owner.may_take(sh.node)]  # another live node's file is not gone because we lack it
+                    if owner.may_judge_gone(sh.node)]  # not seeing another node's file proves nothing
                 for shard in gone:
                     repo.mark_deleted(s, shard)
                     out[shard.path] = "deleted"
@@ -389,13 +386,14 @@ class Ingestor:
         return out
 
     def _reconcile_deleted(self, seen: set[str], owner: repo.Owner) -> int:
-        """This node's shards whose files are gone. Rows of other nodes are never judged here: on
-        a node-local disk their files are simply not ours to see (they keep their last verdict)."""
+        """This node's shards whose files are gone. Rows of other nodes are judged here only when
+        their node is unreachable and shares this root (``Owner.may_judge_gone``): on a node-local
+        disk their files are simply not ours to see (they keep their last verdict)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             known = s.execute(
                 select(Shard.path).where(Shard.state != ShardState.DELETED.value, Shard.path.startswith(prefix, autoescape=True),
-                                         owner.owned_clause())
+                                         owner.judged_clause())
             ).scalars().all()
         gone = [p for p in known if p not in seen and not os.path.exists(p)]
         return sum(outcome == "deleted" for outcome in self._vanished_many(gone).values())

@@ -26,6 +26,7 @@ process is *gone* (:func:`owner_gone`):
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import functools
 import json
@@ -33,7 +34,7 @@ import logging
 import os
 import socket
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -41,9 +42,9 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Job, Run, Shard
+from ckptd.catalog.models import Checkpoint, Job, Run, Shard, as_utc
 from ckptd.errors import CkptdError
-from ckptd.service.catalog import NotFoundError, _iso, get_run, get_step
+from ckptd.service.catalog import NotFoundError, iso_time, get_run, get_step
 from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.jobs")
@@ -68,8 +69,8 @@ def job_dict(job: Job) -> dict[str, Any]:
         "params": params,
         "result": json.loads(job.result) if job.result else None,
         "error": job.error,
-        "created_at": _iso(job.created_at),
-        "updated_at": _iso(job.updated_at),
+        "created_at": iso_time(job.created_at),
+        "updated_at": iso_time(job.updated_at),
     }
     if isinstance(meta, dict):
         doc["owner"] = meta.get("owner")  # which process runs it (see the module docstring)
@@ -89,9 +90,10 @@ def list_jobs(s: Session, limit: int = 100) -> list[dict[str, Any]]:
     return [job_dict(j) for j in s.execute(select(Job).order_by(Job.id.desc()).limit(limit)).scalars()]
 
 
-def select_shards(s: Session, run_name: str, step: int | None) -> tuple[Run, list[tuple[int, str, int]]]:
+def select_shards(s: Session, run_name: str, step: int | None) -> tuple[Run, list[tuple[int, str, int, str | None]]]:
+    """(id, path, checkpoint id, node) of the run's (or step's) live shard rows."""
     run = get_run(s, run_name)
-    q = select(Shard.id, Shard.path, Shard.checkpoint_id).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
+    q = select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.node).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
         Checkpoint.run_id == run.id,
         Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # history rows are no steps
     )
@@ -108,22 +110,36 @@ def reverify(
     examine_many: Callable[[list[str]], dict[str, str]],
     verify_shards: Callable[[list[int]], dict[int, Any]],
     check_step: Callable[[int], list[str]],
-    shards: list[tuple[int, str, int]],
+    shards: list[tuple[int, str, int, str | None]],
     progress: Callable[[int, int], None] = lambda done, total: None,
+    *,
+    owner: Callable[[], repo.Owner] = lambda: repo.LOCAL,
 ) -> dict[str, Any]:
-    """Re-examine and re-verify shards, then re-run the step checks. Returns a summary."""
+    """Re-examine and re-verify the shards this node may judge, then re-run the step checks.
+    Returns a summary; shards held by other nodes are counted per node in ``other_nodes`` (each
+    node re-verifies its own: this one cannot see a node-local disk of another)."""
     states: dict[str, int] = {}
+    held: dict[str, int] = {}
     for start in range(0, len(shards), _CHUNK):
         chunk = shards[start : start + _CHUNK]
-        examine_many([path for _, path, _ in chunk])  # picks up replaced/vanished files first
-        verdicts = verify_shards([shard_id for shard_id, _, _ in chunk])
-        for shard_id, _, _ in chunk:
+        me = owner()
+        # files of unowned rows or unreachable nodes that this node sees become its own here
+        examine_many([path for _, path, _, node in chunk if me.may_take(node)])  # replaced/vanished files first
+        with sessions() as s:
+            now_held = dict(s.execute(select(Shard.id, Shard.node).where(
+                Shard.id.in_([shard_id for shard_id, _, _, _ in chunk]))).all())
+        mine = [shard_id for shard_id, _, _, _ in chunk if shard_id in now_held and me.may_judge_gone(now_held[shard_id])]
+        for shard_id in now_held.keys() - set(mine):
+            name = now_held[shard_id] or "unclaimed"  # a pre-0006 row no node has seen yet
+            held[name] = held.get(name, 0) + 1
+        verdicts = verify_shards(mine)
+        for shard_id in mine:
             state = verdicts.get(shard_id)
             key = state.value if state is not None else "skipped"
             states[key] = states.get(key, 0) + 1
         progress(start + len(chunk), len(shards))
     step_problems = {}
-    for ckpt_id in sorted({c for _, _, c in shards}):
+    for ckpt_id in sorted({c for _, _, c, _ in shards}):
         with sessions.begin() as s:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None:
@@ -132,7 +148,7 @@ def reverify(
         problems = check_step(ckpt_id)
         if problems:
             step_problems[str(step)] = problems
-    return {"shards": states, "step_problems": step_problems}
+    return {"shards": states, "other_nodes": held, "step_problems": step_problems}
 
 
 # --- owners, heartbeats, abandoned work ----------------------------------------------------------
@@ -159,7 +175,8 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
 
 
 @functools.cache
-def _machine() -> dict[str, str | None]:
+def this_machine() -> dict[str, str | None]:
+    """Host, boot id and PID namespace: what makes a recorded pid meaningful here."""
     try:
         pidns = os.readlink("/proc/self/ns/pid")
     except OSError:
@@ -169,7 +186,7 @@ def _machine() -> dict[str, str | None]:
 
 def process_owner(node: str | None = None) -> dict[str, Any]:
     """This process, as recorded on the jobs it runs (JSON-able)."""
-    m = _machine()
+    m = this_machine()
     stat = _proc_stat(os.getpid())
     return {"node": node or os.environ.get("CKPTD_NODE_NAME") or m["host"], "host": m["host"], "pid": os.getpid(),
             "start": stat[1] if stat else None, "boot": m["boot"], "pidns": m["pidns"]}
@@ -177,12 +194,8 @@ def process_owner(node: str | None = None) -> dict[str, Any]:
 
 def same_pid_space(owner: dict[str, Any]) -> bool:
     """True if ``owner``'s pid can be looked up here: this boot of this machine, this PID namespace."""
-    m = _machine()
+    m = this_machine()
     return bool(m["boot"] and m["pidns"]) and owner.get("boot") == m["boot"] and owner.get("pidns") == m["pidns"]
-
-
-def _aware(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)  # SQLite drops the zone; values are UTC
 
 
 def _describe(owner: dict[str, Any]) -> str:
@@ -192,7 +205,7 @@ def _describe(owner: dict[str, Any]) -> str:
 def owner_gone(owner: dict[str, Any] | None, updated_at: datetime | None, now: datetime,
                timeout: float = ABANDON_TIMEOUT) -> str | None:
     """Why the process that owns a queued/running row is certainly gone; None while it may be alive."""
-    age = (now - _aware(updated_at)).total_seconds() if updated_at is not None else float("inf")
+    age = (now - as_utc(updated_at)).total_seconds() if updated_at is not None else float("inf")
     if not owner:
         if age > LEGACY_ABANDON_AFTER.total_seconds():
             return f"no process recorded on it and no update for {age:.0f} s"
@@ -344,21 +357,39 @@ def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: fl
 
 
 class JobRunner:
+    """Runs jobs one at a time (they must not starve live ingest) on its own thread, ``ckptd-jobs``.
+
+    A job may wedge — a read on a hung file system, a catalog row another client keeps locked —
+    and must not wedge the service with it: :meth:`stalled` names the thread once the running job
+    reported no progress for a while (``/healthz`` answers 503), and :meth:`close` is bounded. The
+    thread is a daemon thread (a ThreadPoolExecutor's is joined at interpreter exit, forever)."""
+
+    THREAD = "ckptd-jobs"
+
     def __init__(self, sessions: sessionmaker[Session], examine_many, verify_shards, check_step,  # noqa: ANN001
-                 *, node: str | None = None, heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
+                 *, node: str | None = None, heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 owner: Callable[[], repo.Owner] = lambda: repo.LOCAL, close_timeout: float = 10.0) -> None:
         self.sessions = sessions
         self._examine, self._verify, self._check_step = examine_many, verify_shards, check_step
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-jobs")
+        self._nodes = owner  # this daemon's view of which files it may judge (catalog.nodes.NodeView.owner)
         self.owner = process_owner(node)
         self._heartbeat = Heartbeat(sessions, heartbeat_interval)
-        self._futures: dict[int, Future[None]] = {}
+        self._close_timeout = close_timeout
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[int, Callable[[Callable[[int, int], None]], dict[str, Any]]]] = \
+            collections.deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._running: int | None = None  # the job on the thread, and when it last made progress
+        self._progress_at = 0.0
 
     def start_verify(self, run_name: str, step: int | None) -> dict[str, Any]:
         with self.sessions() as s:
             _, shards = select_shards(s, run_name, step)
 
         def work(progress: Callable[[int, int], None]) -> dict[str, Any]:
-            return reverify(self.sessions, self._examine, self._verify, self._check_step, shards, progress)
+            return reverify(self.sessions, self._examine, self._verify, self._check_step, shards, progress,
+                            owner=self._nodes)
 
         return self.start("verify", run_name, {"run": run_name, "step": step}, len(shards), work)
 
@@ -368,10 +399,18 @@ class JobRunner:
         with self.sessions.begin() as s:
             run = get_run(s, run_name)
             doc = job_dict(record_job(s, kind, run.id, params, self.owner, total=total))
-        self._heartbeat.add(doc["id"])  # queued jobs too: another daemon must see this process alive
-        fut = self._pool.submit(self._run, doc["id"], work)
-        self._futures[doc["id"]] = fut
-        fut.add_done_callback(lambda f, job_id=doc["id"]: f.cancelled() or self._futures.pop(job_id, None))
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._heartbeat.add(doc["id"])  # queued jobs too: another daemon must see this process alive
+                self._queue.append((doc["id"], work))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self.THREAD, daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+        if closed:
+            self._end(doc["id"], error=_CANCELLED)
+            doc |= {"state": "failed", "error": _CANCELLED}
         return doc
 
     def _set(self, job_id: int, **values: Any) -> None:
@@ -380,28 +419,81 @@ class JobRunner:
             for k, v in values.items():
                 setattr(job, k, v)
 
+    def _end(self, job_id: int, *, state: str = "failed", **values: Any) -> None:
+        """Finish a job that is still queued or running: the first end wins (a job close() gave up
+        on may still finish later; it must not overwrite 'interrupted by shutdown')."""
+        with self.sessions.begin() as s:
+            s.execute(update(Job).where(Job.id == job_id, Job.state.in_(ACTIVE)).values(state=state, **values))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job_id, work = self._queue.popleft()
+                self._running, self._progress_at = job_id, time.monotonic()
+            try:
+                self._run(job_id, work)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _progress(self, job_id: int, done: int, total: int) -> None:
+        with self._cond:
+            self._progress_at = time.monotonic()
+        self._set(job_id, done=done, total=total)
+
     def _run(self, job_id: int, work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> None:
         token = _current_job.set(job_id)
         try:
             self._set(job_id, state="running")
-            result = work(lambda done, total: self._set(job_id, done=done, total=total))
-            self._set(job_id, state="done", result=json.dumps(result, default=str))
+            result = work(functools.partial(self._progress, job_id))
+            self._end(job_id, state="done", result=json.dumps(result, default=str))
         except CkptdError as exc:
-            self._set(job_id, state="failed", error=str(exc))
+            self._end(job_id, error=str(exc))
         except Exception as exc:  # recorded on the job for the operator; the runner lives on
             log.exception("job %s failed", job_id)
-            self._set(job_id, state="failed", error=f"{exc.__class__.__name__}: {exc}")
+            self._end(job_id, error=f"{exc.__class__.__name__}: {exc}")
         finally:
             _current_job.reset(token)
             self._heartbeat.discard(job_id)
 
+    def stalled(self, seconds: float) -> dict[str, float]:
+        """The runner thread, if its job reported no progress for longer than ``seconds``."""
+        with self._cond:
+            age = time.monotonic() - self._progress_at
+            return {self.THREAD: age} if self._running is not None and age > seconds else {}
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for job_id, fut in list(self._futures.items()):
-            if fut.cancelled():  # queued behind the last job when ckptd stopped: it never ran
-                try:
-                    self._set(job_id, state="failed", error="cancelled: ckptd stopped before the job ran")
-                except Exception:
-                    log.warning("could not record job %s as cancelled (the next start fails it)", job_id, exc_info=True)
-        self._futures.clear()
+        """Stop, in bounded time: queued jobs fail as cancelled; a job still running after
+        ``close_timeout`` fails as interrupted (its thread dies with the process; a restart's
+        :func:`recover_abandoned` fails its conversion and removes its temp data)."""
+        with self._cond:
+            self._closed = True
+            queued = [job_id for job_id, _ in self._queue]
+            self._queue.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        for job_id in queued:  # queued behind the last job when ckptd stopped: it never ran
+            self._record_end(job_id, _CANCELLED)
+        if thread is not None:
+            thread.join(self._close_timeout)
+        with self._cond:
+            running = self._running
+        if running is not None:
+            log.warning("job %s still running after %g s of shutdown; stopping without it", running,
+                        self._close_timeout)
+            self._record_end(running, "interrupted by shutdown: ckptd stopped while the job ran")
         self._heartbeat.close()
+
+    def _record_end(self, job_id: int, why: str) -> None:
+        try:
+            self._end(job_id, error=why)
+        except Exception:
+            log.warning("could not record job %s as ended (the next start fails it)", job_id, exc_info=True)
+
+
+_CANCELLED = "cancelled: ckptd stopped before the job ran"

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -21,9 +22,9 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from ckptd import runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import nodes as node_registry
-from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile
+from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile, as_utc
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
 from ckptd.service import tracker
@@ -53,10 +54,13 @@ class ResumeOptions:
     node_timeout: float = 120.0
 
 
-def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
+def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None, *,
+               in_epoch_names: bool = False) -> list[StepInfo]:
     """The run's trained steps, newest first (plain column rows: this is the oracle's hot path).
     Only ``trained`` rows: converted copies are served through their source step, and the history
-    rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps."""
+    rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps.
+    ``in_epoch_names``: the file names count steps within the epoch (MindFormers), so a step
+    whose global step is not known yet is also named by its file names."""
     q = (
         select(Checkpoint.id, Checkpoint.epoch, Checkpoint.step, Checkpoint.incarnation, Checkpoint.global_step,
                Checkpoint.state, Checkpoint.reason, Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned,
@@ -75,9 +79,11 @@ def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None)
             marked_bad=bool(bad),
             bad_reason=bad_reason,
             pinned=bool(pinned),
-            in_use=lease is not None and _aware(lease) > now,
+            in_use=lease is not None and as_utc(lease) > now,
             health_reason=health,
             position=(epoch, step, incarnation or 0),
+            named=(f"files named epoch {epoch} step {step}; the global step is read once they verify"
+                   if gstep is None and in_epoch_names else None),
         )
         for cid, epoch, step, incarnation, gstep, state, reason, bad, bad_reason, pinned, lease, health in s.execute(q).all()
     ]
@@ -101,10 +107,6 @@ def _health(s: Session, run_id: int, spikes: bool) -> list[Health]:
     return [Health(first[0], float(first[1]))] if first else []
 
 
-def _aware(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
-
-
 def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> dict[str, Any]:
     """The resume answer (stable keys; see docs/API.md). Raises NoRestorableStepError if none."""
     run = get_run(s, run_name)
@@ -113,10 +115,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     policy = ResumePolicy(max_step=opts.max_step, spike=spike)
     health = _health(s, run.id, opts.skip_spikes)
     dead = node_registry.unreachable(s, opts.node_timeout)
-    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
+    in_epoch = run.layout == runlayout.MINDFORMERS
+    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH, in_epoch_names=in_epoch), dead, opts)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), health)
+        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now, in_epoch_names=in_epoch), dead, opts),
+                                 health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
@@ -132,7 +136,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     shards = [(rank, path) for rank, path, _ in rows]
     node_of = {path: node for _, path, node in rows}
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
-    lease = _aware(ckpt.lease_until) if ckpt.lease_until is not None else None
+    strategy_path = strategy.path if strategy and _servable(os.path.dirname(run.path), strategy.path) else None
+    lease = as_utc(ckpt.lease_until) if ckpt.lease_until is not None else None
     if opts.lease and (lease is None or lease < now + RESUME_LEASE / 2):
         ckpt.lease_until = now + RESUME_LEASE  # renewed at most every 15 min: polling stays read-only
     answer: dict[str, Any] = {
@@ -145,7 +150,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "incarnation": ckpt.incarnation,
         "layout": run.layout or runlayout.NATIVE,
         "world_size": ckpt.expected_ranks,
-        "strategy_file": strategy.path if strategy else None,
+        "strategy_file": strategy_path,
         "strategy_hash": strategy.content_hash if strategy else None,
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
@@ -160,6 +165,24 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     if other_world or other_layout:
         answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash)
     return answer
+
+
+def _servable(root: str, path: str) -> bool:
+    """A path served is one the trainer will open: here it must still be a regular file (or, for
+    per-rank strategy files merged, their real directory) reached without symlinks — it may have
+    been swapped since it was read; the hash still names the layout. One not on this node's disk
+    is another node's to judge."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True
+    if stat.S_ISDIR(mode):  # MindFormers' strategy/ of per-rank files
+        try:
+            confine.check_dir_beneath(root, path)
+            return True
+        except (confine.ConfinementError, OSError):
+            return False
+    return confine.is_regular_beneath(root, path)
 
 
 def _mark_unreachable(s: Session, steps: list[StepInfo], dead: set[str], opts: ResumeOptions) -> list[StepInfo]:

@@ -2,8 +2,10 @@
 
 1. mark: the planned steps go to state ``deleting`` in one transaction (re-planned under the
    catalog's locks, so a step that became newest-restorable meanwhile is not taken);
-2. delete the shard files (only real files inside the checkpoint root — never through a symlink);
-3. delete the rows. A crash between 1 and 3 leaves steps in ``deleting``; ``finish_pending``
+2. delete the shard files (only through :mod:`ckptd.confine`: never through a symlinked file or
+   directory, so a planted link cannot make gc delete another run's files);
+3. delete the rows — unless a file was refused: then the step stays ``deleting`` with the
+   refusal as its ``reason``, for an operator to look at. A crash between 1 and 3 leaves steps in ``deleting``; ``finish_pending``
    (run at daemon start and by every gc) completes them.
 
 A step re-saved under a newer layout has history rows (``kind = 'superseded'``, see
@@ -16,19 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
 from ckptd.policy import RetentionPolicy
-from ckptd.runlayout import resolves_inside, sidecar_for
+from ckptd.runlayout import sidecar_for
 from ckptd.service.resume import step_infos
 from ckptd.states import ShardState, StepState
 
@@ -51,11 +52,7 @@ class GcReport:
         }
 
 
-def _inside(root: str, path: str) -> bool:
-    return resolves_inside(root, path) and not os.path.islink(path)
-
-
-def _lineage_ids(s: Session) -> set[int]:
+def lineage_ids(s: Session) -> set[int]:
     """Steps a running conversion is reading (finished copies are deleted together with their source)."""
     return set(s.execute(
         select(ConversionJob.source_checkpoint_id).where(ConversionJob.state.in_(("queued", "running")))).scalars())
@@ -63,7 +60,7 @@ def _lineage_ids(s: Session) -> set[int]:
 
 def plan_run(s: Session, run: Run, policy: RetentionPolicy) -> tuple[list[int], dict[str, Any]]:
     now = datetime.now(timezone.utc)
-    lineage = _lineage_ids(s)
+    lineage = lineage_ids(s)
     infos = [i if i.id not in lineage else _with_in_use(i) for i in step_infos(s, run.id, now)]
     plan = policy.plan(infos)
     by_id = {i.id: i for i in infos}
@@ -128,26 +125,51 @@ def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
     """A Checkpoint 2.0 iteration is a directory: once its files are gone, so is it (MindFormers'
     own rotation rmtrees it). Only an empty one: anything else in it is not ours to delete."""
     for d in sorted(dirs):
-        if runlayout.is_iteration_dir(root, d) and _inside(root, d):
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
+        if runlayout.is_iteration_dir(root, d):
+            with contextlib.suppress(OSError):  # ConfinementError included: a symlink is not ours either
+                confine.rmdir_beneath(root, d)
 
 
-def delete_derived(s: Session, ckpt_id: int, root: str) -> list[str]:
+def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str] | None = None) -> list[str]:
     """Rows and files of the converted copies of a step that retention is deleting (a copy never
-    outlives its source: its lineage would point nowhere)."""
+    outlives its source: its lineage would point nowhere). A copy whose directory is refused
+    (a symlink, or outside the root) keeps its rows with the refusal as reason, and the refusal
+    is appended to ``refused``: the caller must then keep the source's rows too."""
     removed = []
     for copy in s.execute(select(Checkpoint).where(Checkpoint.derived_from_id == ckpt_id)).scalars().all():
         dirs = {os.path.dirname(os.path.dirname(p)) for p in s.execute(
             select(Shard.path).where(Shard.checkpoint_id == copy.id)).scalars()}
-        for d in dirs:
-            if _inside(root, d) and os.path.isdir(d):
-                shutil.rmtree(d)
-                removed.append(d)
+        why = [w for w in (_remove_tree(root, d) for d in sorted(dirs)) if w]
+        removed += [d for d in dirs if not os.path.lexists(d)]
+        if why:
+            copy.reason = "; ".join(why)
+            if refused is not None:
+                refused += why
+            continue
         s.execute(ConversionJob.__table__.delete().where(ConversionJob.output_checkpoint_id == copy.id))
         delete_checkpoint_rows(s, copy.id)
     s.execute(ConversionJob.__table__.delete().where(ConversionJob.source_checkpoint_id == ckpt_id))
     return removed
+
+
+def _remove_tree(root: str, d: str) -> str | None:
+    """Remove a converted copy's directory; why not, if refused."""
+    return _refused(confine.rmtree_beneath, root, d)
+
+
+def _remove_file(root: str, target: str) -> str | None:
+    """Remove one shard file or sidecar; why not, if refused (a missing file is no refusal)."""
+    return _refused(confine.unlink_beneath, root, target)
+
+
+def _refused(remove: Callable[[str, str], None], root: str, path: str) -> str | None:
+    try:
+        remove(root, path)
+    except FileNotFoundError:
+        pass
+    except confine.ConfinementError as err:
+        return f"{path}: {err.message}; not deleted"
+    return None
 
 
 def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
@@ -174,23 +196,23 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         with sessions() as s:
             rows = s.execute(select(Shard.id, Shard.path, Shard.node, Shard.state).where(
                 Shard.checkpoint_id == ckpt_id)).all()
-        blocked, mine = False, []
+        refused, mine = [], []
         for shard_id, path, node, state in rows:
             if state == ShardState.DELETED.value and node != owner.node:
                 continue  # its node removed it already
-            if not (owner.owns(node) or (node is None and os.path.lexists(path))):
+            if not (owner.may_judge_gone(node) or (node is None and os.path.lexists(path))):
                 continue  # another node's file: that node deletes it
             for target in (path, sidecar_for(path)):
                 if not os.path.lexists(target):
                     continue
-                if not _inside(root, target):
-                    report.refused.append(f"{target}: outside the checkpoint root or a symlink; not deleted")
-                    blocked = True
-                    continue
-                os.unlink(target)
-                report.deleted_files += 1
+                why = _remove_file(root, target)
+                if why:
+                    refused.append(why)
+                else:
+                    report.deleted_files += 1
             mine.append(shard_id)
-        if blocked:
+        if refused:
+            _keep_with_reason(sessions, ckpt_id, refused, report)
             continue  # keep the rows: an operator must look at this step
         if mine:
             with sessions.begin() as s:
@@ -202,7 +224,19 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if left:
             continue  # other nodes still hold files of it; the last one to delete removes the rows
         with sessions.begin() as s:
-            report.deleted_files += len(delete_derived(s, ckpt_id, root))
-            delete_checkpoint_rows(s, ckpt_id)
+            refused = []
+            report.deleted_files += len(delete_derived(s, ckpt_id, root, refused))
+            if not refused:
+                delete_checkpoint_rows(s, ckpt_id)
+        if refused:
+            _keep_with_reason(sessions, ckpt_id, refused, report)
+            continue
         report.deleted_steps += 1
     return len(pending)
+
+
+def _keep_with_reason(sessions: sessionmaker[Session], ckpt_id: int, refused: list[str], report: GcReport) -> None:
+    """A step gc could not fully delete stays ``deleting`` and says why (each gc retries it)."""
+    report.refused += refused
+    with sessions.begin() as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == ckpt_id).values(reason="; ".join(refused)[:2000]))

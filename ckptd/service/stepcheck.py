@@ -7,7 +7,11 @@ Runs once every shard of a step is verified. Reports *all* problems (per rank), 
 * all shards carry the same global step (``global_step`` / ``step_num`` entries);
 * every parameter the strategy assigns to a rank is in that rank's file with exactly the slice
   shape the strategy implies (the full shape is inferred from each rank and must agree);
-* ranks that hold identical replicas of a parameter hold identical bytes (sampled or full).
+* ranks that hold identical replicas of a parameter hold identical bytes (sampled or full), and
+  ranks the strategy gives *different* slices do not hold identical bytes of non-constant float
+  parameters (at least ``MIN_TWIN_PARAMS`` of them: data-parallel replicas described as
+  tensor-parallel ranks, the lie a wrong strategy file tells; shapes alone cannot show it, since
+  a strategy file does not record the full shape).
 Reads only record headers, plus the payloads of the compared replicas. The checks are split in
 two so that a step whose files live on several nodes can be judged without any node reading
 another's files: :func:`shard_facts` (one file, by the node that sees it) and :func:`combine`
@@ -34,11 +38,14 @@ from typing import Mapping
 
 import xxhash
 
+from ckptd.convert.consistency import EVIDENCE_DTYPES, MIN_TWIN_PARAMS, PROBE_BYTES, repeats_one_element
 from ckptd.errors import CkptdError
-from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
+from ckptd.format.checkpoint import CheckpointFile
+from ckptd.format.dtypes import itemsize
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.layout import full_shape_from_local, local_shape
 from ckptd.format.strategy import Strategy
+from ckptd.service.shardopen import open_shard
 
 STEP_ENTRY_NAMES = ("global_step", "step_num", "step")
 RANK_ENTRY_NAMES = ("rank_id", "rank")
@@ -97,11 +104,19 @@ def content_rank(ckpt: CheckpointFile) -> int | None:
     return None
 
 
-def _payload_digest(ckpt: CheckpointFile, name: str) -> str:
+def _payload_digest(ckpt: CheckpointFile, name: str) -> tuple[str, bool]:
+    """(digest of the payload, whether equal digests of two slices prove a lie): a float tensor
+    that is not one value repeated (zero-initialised moments are equal on every rank)."""
+    ent = ckpt.entries[name]
+    evidence = ent.dtype in EVIDENCE_DTYPES
     h = xxhash.xxh3_128()
-    for view in ckpt.iter_payload(name):
+    for i, view in enumerate(ckpt.iter_payload(name)):
         h.update(view)
-    return h.hexdigest()
+        if evidence and i == 0:
+            isz = itemsize(ent.dtype)
+            head = bytes(view[: min(len(view), PROBE_BYTES) // isz * isz])
+            evidence = not repeats_one_element(head, isz)
+    return h.hexdigest(), evidence
 
 
 # --- per-shard facts: what one node finds in one file --------------------------------------------
@@ -114,7 +129,9 @@ class ShardFacts:
     A step whose files live on several nodes is checked by combining every node's facts; no node
     reads another's files. ``full``: each parameter's full shape as this file implies it;
     ``missing``: parameters of its stage it does not hold (remove_redundancy subsets);
-    ``digests``: payload digests of the parameters sampled for the replica comparison."""
+    ``digests``: payload digests of the parameters sampled for the replica comparison;
+    ``evidence``: those of them whose equality across different slices proves a lie (see
+    :func:`_payload_digest`)."""
 
     rank: int
     problems: tuple[str, ...] = ()
@@ -124,17 +141,20 @@ class ShardFacts:
     digests: dict[str, str] = field(default_factory=dict)
     readable: bool = True
     shapes_ok: bool = True  # the file holds the slices the strategy gives its rank
+    evidence: tuple[str, ...] = ()
 
     def encode(self) -> str:
         doc = {"rank": self.rank, "problems": list(self.problems), "step": self.step, "missing": list(self.missing),
-               "full": {n: list(v) for n, v in self.full.items()}, "digests": self.digests, "readable": self.readable, "shapes_ok": self.shapes_ok}
+               "full": {n: list(v) for n, v in self.full.items()}, "digests": self.digests, "readable": self.readable, "shapes_ok": self.shapes_ok,
+               "evidence": list(self.evidence)}
         return base64.b64encode(zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)).decode()
 
     @classmethod
     def decode(cls, text: str) -> "ShardFacts":
         doc = json.loads(zlib.decompress(base64.b64decode(text)))
         return cls(doc["rank"], tuple(doc["problems"]), doc["step"], {n: tuple(v) for n, v in doc["full"].items()},
-                   tuple(doc["missing"]), dict(doc["digests"]), doc["readable"], doc["shapes_ok"])
+                   tuple(doc["missing"]), dict(doc["digests"]), doc["readable"], doc["shapes_ok"],
+                   tuple(doc.get("evidence", ())))  # facts stored before the twin check have none
 
 
 def replica_names(strategy: Strategy | None, mode: str, sample: int, seed: str) -> tuple[str, ...]:
@@ -148,15 +168,20 @@ def replica_names(strategy: Strategy | None, mode: str, sample: int, seed: str) 
     return tuple(names)
 
 
-def shard_facts(ref: ShardRef, strategy: Strategy | None, key: bytes | None, digest_names: tuple[str, ...] = (), *,
-                subset: bool = False, index_cache: IndexCache | None = None) -> ShardFacts:
-    """Read one rank's file (headers, plus the payloads of ``digest_names``) into its facts."""
+def shard_facts(root: str, ref: ShardRef, strategy: Strategy | None, key: bytes | None,
+                digest_names: tuple[str, ...] = (), *, subset: bool = False,
+                index_cache: IndexCache | None = None) -> ShardFacts:
+    """Read one rank's file below ``root`` (headers, plus the payloads of ``digest_names``) into
+    its facts; opened through :mod:`ckptd.confine` (a FIFO or symlink there is unreadable, never
+    waited on or followed)."""
     try:
-        ck = open_checkpoint(ref.path, key, index_cache=index_cache)
+        with open_shard(root, ref.path, key, index_cache) as ck:
+            return facts_of(ck, ref.rank, strategy, digest_names, subset=subset)
     except CkptdError as err:
         return ShardFacts(ref.rank, (f"rank {ref.rank}: {err}",), readable=False)
-    with ck:
-        return facts_of(ck, ref.rank, strategy, digest_names, subset=subset)
+    except OSError as err:
+        return ShardFacts(ref.rank, (f"rank {ref.rank}: cannot read {ref.path}: {err.strerror or err}",),
+                          readable=False)
 
 
 def facts_of(ck: CheckpointFile, rank: int, strategy: Strategy | None, digest_names: tuple[str, ...] = (), *,
@@ -172,9 +197,10 @@ def facts_of(ck: CheckpointFile, rank: int, strategy: Strategy | None, digest_na
     if strategy is not None and rank < strategy.world_size:
         partial = subset and redundancy_removed(ck)
         shape_problems = _rank_shapes(rank, ck, strategy, partial, full, missing)
-    digests = {n: _payload_digest(ck, n) for n in digest_names if n in ck.entries}
-    return ShardFacts(rank, tuple(problems + shape_problems), content_step(ck), full, tuple(missing), digests,
-                      shapes_ok=not shape_problems)
+    read = {n: _payload_digest(ck, n) for n in digest_names if n in ck.entries}
+    return ShardFacts(rank, tuple(problems + shape_problems), content_step(ck), full, tuple(missing),
+                      {n: d for n, (d, _) in read.items()}, shapes_ok=not shape_problems,
+                      evidence=tuple(n for n, (_, ev) in read.items() if ev))
 
 
 def _rank_shapes(rank: int, ck: CheckpointFile, strategy: Strategy, partial: bool,
@@ -246,6 +272,7 @@ def combine(shards: list[ShardRef], facts: Mapping[int, ShardFacts], expected_ra
             uncovered, plan = _coverage(holds, strategy, full_shapes, expected_ranks or strategy.world_size)
             problems += uncovered
         problems += _check_replicas(readable, strategy, digest_names, full_shapes)
+        problems += _check_twins(readable, strategy, digest_names, full_shapes)
     return StepVerdict(problems, tuple(missing) if subset else (), plan)
 
 
@@ -316,3 +343,30 @@ def _check_replicas(facts: Mapping[int, ShardFacts], strategy: Strategy, names: 
             if len(set(digests.values())) > 1:
                 problems.append(f"replicas of {name!r} differ across ranks {sorted(digests)}")
     return problems
+
+
+def _check_twins(facts: Mapping[int, ShardFacts], strategy: Strategy, names: tuple[str, ...],
+                 full_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Ranks holding the same bytes of parameters the strategy slices differently for them."""
+    twins: dict[tuple[int, int], list[str]] = {}
+    for name in names:
+        full = full_shapes.get(name)
+        if full is None:
+            continue
+        try:
+            group_of = {r: i for i, g in enumerate(strategy.replicas(name, full)) for r in g}
+        except CkptdError:
+            continue  # shape problems are reported with the shapes
+        first: dict[str, int] = {}  # digest -> the first rank holding it
+        for r, f in sorted(facts.items()):
+            if name not in f.evidence or r not in group_of:
+                continue
+            r1 = first.setdefault(f.digests[name], r)
+            if r1 != r and group_of.get(r1) != group_of[r]:
+                twins.setdefault((r, r1), []).append(name)
+    if len({n for found in twins.values() for n in found}) < MIN_TWIN_PARAMS:
+        return []  # one parameter could be a coincidence (e.g. a tensor initialised alike)
+    return [f"rank {r}: holds the same bytes as rank {r1} in {', '.join(repr(n) for n in found[:4])}"
+            f"{' and more' if len(found) > 4 else ''} although the strategy gives the two ranks different "
+            "slices (data-parallel replicas described as tensor-parallel ranks? check the strategy files)"
+            for (r, r1), found in sorted(twins.items())]

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.strategy import Strategy, load_strategy, parse_strategy_bytes
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_bytes
 from ckptd.service import iteration
 from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
 from ckptd.settings import Settings
@@ -82,9 +82,11 @@ class StepJudge:
         key = (row.path, row.content_hash)
         if key not in self._strategies:
             try:  # the content as catalogued: the file on disk may describe a newer layout by now
-                self._strategies[key] = (parse_strategy_bytes(row.content, row.path) if row.content is not None
-                                         else load_strategy(row.path))
-            except CkptdError:
+                # (a row without it: the file, read through ckptd.confine — never a FIFO or symlink)
+                content = row.content if row.content is not None else \
+                    confine.read_beneath(str(self.settings.root), row.path, MAX_STRATEGY_BYTES)
+                self._strategies[key] = parse_strategy_bytes(content, row.path)
+            except (CkptdError, OSError):
                 return None
         return self._strategies[key]
 
@@ -107,22 +109,33 @@ class StepJudge:
         """Step checks not run yet and something to do: every file verified and every expected
         rank present (a run allowing subset saves: with a strategy, whatever is present); when
         some files are on other nodes, as soon as the ones visible here are verified (their facts
-        are this node's contribution)."""
+        are this node's contribution).
+
+        Asked after every verified batch, so it reads three columns and stats as few files as the
+        answer needs: during a burst a visible unverified file is found at the first look (it was
+        a stat of every file of the step, and the step's stored facts, per batch)."""
         with self.sessions() as s:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
                 return False
-            rows = self._rows(s, ckpt_id)
+            rows = s.execute(select(Shard.rank, Shard.path, Shard.state).where(
+                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
             if not rows:
                 return False
-            visible = [r for r in rows if os.path.exists(r.path)]
-            if len(visible) < len(rows):
-                return bool(visible) and all(r.state == ShardState.VERIFIED.value for r in visible)
-            if any(r.state != ShardState.VERIFIED.value for r in rows):
-                return False
-            if _subset(s, ckpt) and ckpt.strategy_id is not None:
-                return True
-            return len({r.rank for r in rows}) >= ckpt.expected_ranks or len(rows) >= ckpt.expected_ranks
+            verified = [r for r in rows if r.state == ShardState.VERIFIED.value]
+            if len(verified) < len(rows):
+                # ready only if every unverified file is another node's (not visible here) and
+                # this node verified at least one
+                if any(os.path.exists(r.path) for r in rows if r.state != ShardState.VERIFIED.value):
+                    return False
+                return any(os.path.exists(r.path) for r in verified)
+            whole = (_subset(s, ckpt) and ckpt.strategy_id is not None) or \
+                len({r.rank for r in rows}) >= ckpt.expected_ranks or len(rows) >= ckpt.expected_ranks
+            if whole:
+                return any(os.path.exists(r.path) for r in rows)
+            # ranks still missing: judged only as this node's part of a step spread over nodes
+            exists = [os.path.exists(r.path) for r in rows]
+            return any(exists) and not all(exists)
 
     # --- what ------------------------------------------------------------------------------------
 
@@ -218,8 +231,8 @@ class StepJudge:
         return verdict.problems + [f"missing {name}" for name in verdict.missing]
 
     def _facts(self, row: _Row, strategy: Strategy | None, names: tuple[str, ...], subset: bool) -> ShardFacts:
-        return shard_facts(ShardRef(row.rank, row.path), strategy, self.key, names, subset=subset,
-                           index_cache=self.index_cache)
+        return shard_facts(str(self.settings.root), ShardRef(row.rank, row.path), strategy, self.key, names,
+                           subset=subset, index_cache=self.index_cache)
 
     @staticmethod
     def _rows(s: Session, ckpt_id: int) -> list[_Row]:

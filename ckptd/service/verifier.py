@@ -25,24 +25,23 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine
-from ckptd.catalog import repo
-from ckptd.catalog.models import Shard, StrategyFile
+from ckptd.catalog import repo, verdicts
+from ckptd.catalog.pgbatch import any_of
+from ckptd.catalog.models import Shard, StrategyFile, as_utc
 from ckptd.catalog.nodes import NodeView
 from ckptd.format import mf2
 from ckptd.format.checkpoint import CheckpointFile
 from ckptd.format.digest import StreamDigest
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.source import MmapSource
 from ckptd.format.strategy import Strategy
 from ckptd.format.verify import verify_file
 from ckptd.runlayout import sidecar_for
 from ckptd.service.stepcheck import ShardFacts, content_step, facts_of
 from ckptd.service.stepjudge import FactsPlan, StepJudge
 from ckptd.settings import Settings
-from ckptd.states import ShardState
+from ckptd.states import ShardState, awaits_verification
 
 log = logging.getLogger("ckptd.verifier")
-_DIGEST_CHUNK = 64 << 20
 
 
 #: shards from which verification also takes the step check's facts: those the step check would
@@ -69,24 +68,17 @@ def file_digest(path: str) -> str:
     Hashes straight from an mmap, unmapping each chunk once hashed: no buffer to allocate (a
     64 MiB bytearray per call once cost 40 ms for a 200-byte shard) and flat RSS for huge files.
     """
-    h = xxhash.xxh3_128()
-    src = MmapSource(path)
-    try:
-        for off in range(0, src.size, _DIGEST_CHUNK):
-            n = min(_DIGEST_CHUNK, src.size - off)
-            src.prefetch(off + n, _DIGEST_CHUNK)
-            h.update(src.view(off, n))
-            src.release(off, n)
-    finally:
-        src.close()
-    return h.hexdigest()
+    return StreamDigest().finish(path)  # nothing consumed yet: finish hashes the whole file
 
 
 def read_sidecar(root: str, path: str) -> dict[str, object] | None:
     """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present, a regular
     file inside the root (never a symlink or FIFO: ``ckptd.confine``) and readable."""
+    sidecar = sidecar_for(path)
+    if not os.path.lexists(sidecar):  # the usual case (MindSpore writes none): one lstat, no walk from the root
+        return None
     try:
-        data = json.loads(confine.read_beneath(root, sidecar_for(path), 4096))
+        data = json.loads(confine.read_beneath(root, sidecar, 4096))
     except (OSError, ValueError, confine.ConfinementError):
         return None
     return data if isinstance(data, dict) else None
@@ -111,8 +103,13 @@ class _Outcome:
     seconds: float = 0.0
 
 
-def _aware(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+def _answered(ask: datetime | None, verified_at: datetime | None, awaits: bool) -> bool:
+    """Whether a queued ask (see ``Verifier.submit``) was answered since, by another daemon on a
+    shared root: ``awaits`` is whether the shard still needs a verdict under this daemon's
+    configuration (``states.awaits_verification``)."""
+    if awaits:
+        return False
+    return ask is None or (verified_at is not None and as_utc(verified_at) >= ask)
 
 
 class Verifier:
@@ -124,13 +121,14 @@ class Verifier:
         self.index_cache = index_cache
         self.sessions = sessions
         # only the node that sees a file judges it; several nodes on one shared root split the work
-        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout)
+        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
         self.steps = StepJudge(settings, sessions, settings.encryption_key(), index_cache)
         self.key = settings.encryption_key()
         self.stamp = settings.verification_stamp()
         self._cond = threading.Condition()
-        # shard ids -> when they were asked for; insertion-ordered (FIFO) and de-duplicated
-        self._pending: dict[int, datetime] = {}
+        # shard id -> its ask (see submit: None while unverified, else the time asked);
+        # insertion-ordered (FIFO) and de-duplicated
+        self._pending: dict[int, datetime | None] = {}
         self._steps: dict[int, None] = {}  # checkpoint ids waiting for their step checks
         self._inflight: set[int] = set()
         self._active = 0
@@ -150,17 +148,25 @@ class Verifier:
 
     # --- queue ---------------------------------------------------------------------------------
 
-    def submit(self, shard_ids: list[int], asked_at: datetime | None = None) -> None:
+    def submit(self, shard_ids: list[int], *, if_unverified: bool = False) -> None:
         """Queue shards for verification. An id already queued or being verified is not queued
         again: MindSpore's chmod after the rename must not verify a file twice (a real change
-        mid-read is detected by the verification itself, which then re-queues). ``asked_at``:
-        when the caller read that they need it (default now); a shard another daemon verified
-        after that moment is not verified again."""
-        asked = asked_at or datetime.now(timezone.utc)
+        mid-read is detected by the verification itself, which then re-queues).
+
+        ``if_unverified``: verify a shard only while it has no verdict under this daemon's
+        configuration (ingest's new files, a rescan's re-queues; ``states.awaits_verification``).
+        Decided under the checkpoint's lock, so a verdict another daemon on a shared root stored
+        meanwhile is never repeated, however late the caller read the state.
+        Otherwise (scrub, a changed sidecar): verify again, unless another daemon verifies it
+        after this call."""
+        ask = None if if_unverified else datetime.now(timezone.utc)
         with self._cond:
             for shard_id in shard_ids:
-                if shard_id not in self._inflight:
-                    self._pending.setdefault(shard_id, asked)
+                if shard_id in self._inflight:
+                    continue
+                # a time asked ("again") covers "while unverified"; of two times, the earlier
+                times = [t for t in (self._pending.get(shard_id), ask) if t is not None]
+                self._pending[shard_id] = min(times, default=None)
             self._cond.notify_all()
 
     def submit_step(self, ckpt_id: int) -> None:
@@ -183,7 +189,7 @@ class Verifier:
                     # whole batches, not a fair share: splitting a shrinking queue between workers
                     # ends a burst in a tail of tiny batches, each paying two transactions
                     batch = list(itertools.islice(self._pending, _BATCH))
-                    asked_at = {shard_id: self._pending.pop(shard_id) for shard_id in batch}
+                    asks = {shard_id: self._pending.pop(shard_id) for shard_id in batch}
                     self._inflight.update(batch)
                 self._active += 1
                 self._busy_since[threading.current_thread().name] = time.monotonic()
@@ -191,7 +197,7 @@ class Verifier:
                 if step is not None:
                     self._maybe_check_step(step)
                 else:
-                    self._verify_queued(batch, asked_at)
+                    self._verify_queued(batch, asks)
             except Exception:  # a bug must not kill a worker; the shards stay 'complete' and the next rescan re-queues them
                 log.exception("verification of %s failed unexpectedly", f"checkpoint {step}" if step is not None else f"{len(batch)} shards")
             finally:
@@ -201,8 +207,8 @@ class Verifier:
                     self._active -= 1
                     self._cond.notify_all()
 
-    def _verify_queued(self, batch: list[int], asked_at: dict[int, datetime]) -> None:
-        outcomes = self.verify_shards(batch, asked_at)
+    def _verify_queued(self, batch: list[int], asks: dict[int, datetime | None]) -> None:
+        outcomes = self.verify_shards(batch, asks)
         again = [shard_id for shard_id, state in outcomes.items() if state is None]
         if again:
             with self._cond:  # the file changed while we read it: verify the new version
@@ -264,12 +270,13 @@ class Verifier:
         """Verify one shard now (on-demand re-verification). None: it changed while being read."""
         return self.verify_shards([shard_id]).get(shard_id, ShardState.DELETED)
 
-    def verify_shards(self, shard_ids: list[int], asked_at: dict[int, datetime] | None = None) -> dict[int, ShardState | None]:
+    def verify_shards(self, shard_ids: list[int], asks: dict[int, datetime | None] | None = None) -> dict[int, ShardState | None]:
         """Verify shards and store the verdicts: the files are read outside any transaction, the
-        results of each checkpoint's shards are claimed and recorded in one transaction each."""
+        results of each checkpoint's shards are claimed and recorded in one transaction each.
+        ``asks``: the queue's conditions (see ``submit``); a shard not in it is verified now."""
         with self.sessions() as s:
             rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
-                             .where(Shard.id.in_(shard_ids))).all()
+                             .where(any_of(s, Shard.id, shard_ids))).all()
         result: dict[int, ShardState | None] = {shard_id: ShardState.DELETED for shard_id in shard_ids}
         by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
         for shard_id, path, ckpt_id, digest, state in rows:
@@ -280,46 +287,47 @@ class Verifier:
                 continue
             by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
         for ckpt_id in sorted(by_ckpt):
-            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id], asked_at or {}))
+            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id], asks or {}))
             self._maybe_check_step(ckpt_id)
         return result
 
     def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]],
-                                  asked_at: dict[int, datetime]) -> dict[int, ShardState | None]:
+                                  asks: dict[int, datetime | None]) -> dict[int, ShardState | None]:
         owner = self.nodes.owner()
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             # verified (by another daemon on a shared root) since we were asked: done, not again
-            done = {sid for sid, at in s.execute(select(Shard.id, Shard.verified_at).where(
-                Shard.id.in_([sid for sid, _, _ in shards]), Shard.verified_at.is_not(None))).all()
-                if sid in asked_at and _aware(at) >= asked_at[sid]}
-            seqs = repo.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
-            nodes = dict(s.execute(select(Shard.id, Shard.node).where(Shard.id.in_(list(seqs)))).all())
-            ranks = dict(s.execute(select(Shard.id, Shard.rank).where(Shard.id.in_(list(seqs)))).all())
-            plan = self.steps.facts_plan(s, ckpt) if seqs else None
-        skipped = {shard_id for shard_id, _, _ in shards if shard_id not in seqs}  # another live node verifies them
-        shards = [sh for sh in shards if sh[0] in seqs]
+            asked = [sid for sid, _, _ in shards if sid in asks]
+            done = {sid for sid, state, stamp, code, at in s.execute(
+                select(Shard.id, Shard.state, Shard.verified_config, Shard.error_code, Shard.verified_at)
+                .where(any_of(s, Shard.id, asked))).all()
+                if _answered(asks[sid], at, awaits_verification(state, stamp, code, self.stamp))} if asked else set()
+            claims = verdicts.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
+            plan = self.steps.facts_plan(s, ckpt) if claims else None
+        skipped = {shard_id for shard_id, _, _ in shards if shard_id not in claims}  # another live node verifies them
+        shards = [sh for sh in shards if sh[0] in claims]
         t0 = time.perf_counter()
-        outcomes = {shard_id: self._read_shard(path, digest, _FactsJob(plan, ranks[shard_id], seqs[shard_id])
+        outcomes = {shard_id: self._read_shard(path, digest, _FactsJob(plan, claims[shard_id].rank, claims[shard_id].seq)
                                                if plan is not None else None)
                     for shard_id, path, digest in shards}
         t1 = time.perf_counter()
         paths = {shard_id: path for shard_id, path, _ in shards}
         result: dict[int, ShardState | None] = {shard_id: out.state for shard_id, out in outcomes.items()}
-        verdicts = [
-            repo.Verdict(shard_id, out.stat, out.state, out.values, seqs.get(shard_id), out.seconds)
+        found = [
+            verdicts.Verdict(shard_id, out.stat, out.state, out.values, claims[shard_id].seq, out.seconds)
             for shard_id, out in outcomes.items() if out.stat is not None and out.state is not None
         ]
         missing = [shard_id for shard_id, out in outcomes.items() if out.stat is None]
         # a file we cannot see is gone only if it is ours; another node's file is its to judge
-        gone = [shard_id for shard_id in missing if owner.owns(nodes.get(shard_id))]
+        gone = [shard_id for shard_id in missing if owner.may_judge_gone(claims[shard_id].node)]
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
-            for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
-                repo.mark_deleted(s, row)
-            repo.release_claims(s, [sid for sid in missing if sid not in gone]
-                                + [sid for sid, out in outcomes.items() if out.stat is not None and out.state is None], owner)
-            stored = repo.record_verifications(s, ckpt_id, verdicts)
+            if gone:
+                for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
+                    repo.mark_deleted(s, row)
+            verdicts.release_claims(s, [sid for sid in missing if sid not in gone]
+                                    + [sid for sid, out in outcomes.items() if out.stat is not None and out.state is None], owner)
+            stored = verdicts.record_verifications(s, ckpt_id, found)
             if stored or gone:
                 repo.recompute_step_state(s, ckpt)
         log.debug("checkpoint %d: %d shards read in %.3f s, verdicts stored in %.3f s",
@@ -328,7 +336,7 @@ class Verifier:
             result[shard_id] = ShardState.DELETED
         for shard_id in skipped | (set(missing) - set(gone)):
             result[shard_id] = ShardState.COMPLETE  # not ours to judge now: no verdict, nothing to retry
-        for v in verdicts:
+        for v in found:
             if v.shard_id not in stored:
                 continue
             self.verified_bytes += v.stat.size
@@ -377,17 +385,17 @@ class Verifier:
         digest = StreamDigest()
 
         def inspect(ck: CheckpointFile) -> tuple[int | None, ShardFacts | None]:
-            plan = facts.plan if facts is not None else None
-            again = ck.encryption is not None or ck.source.size >= FACTS_IN_PASS_BYTES
-            found = facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset) if plan and again else None
-            return content_step(ck), found
+            if facts is None or (ck.encryption is None and ck.source.size < FACTS_IN_PASS_BYTES):
+                return content_step(ck), None
+            plan = facts.plan
+            return content_step(ck), facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset)
 
         report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest)
         values: dict[str, object] = {"digest": digest.finish(name)}
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         if report.ok:
             values["global_step"], found = report.inspected
-            if found is not None and facts is not None:
+            if found is not None:  # taken only with a facts job
                 values["facts"] = facts.plan.encode(found, facts.seq)
         problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
         hint = read_sidecar(str(self.settings.root), path)

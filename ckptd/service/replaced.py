@@ -1,0 +1,122 @@
+"""Catalogued shards whose path no longer holds a regular file reached without symlinks.
+
+A verified shard can be swapped afterwards — by a symlink (to a file outside the root), a FIFO,
+a device node, or its rank directory by a symlinked directory. Its old verdict is about a file
+that is no longer there: the row becomes ``corrupt`` with a reason naming what replaced it (the
+new thing is never read), so the step leaves ``verified`` and the resume oracle skips it, saying
+why. Ingest calls this where it ignores such a path (file events) and for catalogued paths a
+rescan did not list (a symlinked rank directory is never listed). The row's stat becomes all
+zeros, which no real file has: a regular file put back at the path is examined and verified anew.
+
+Such a thing where no shard was ever catalogued (a FIFO or symlink named like a shard, a rank
+directory that is a symlink) is never read either; the step it would complete then waits for a
+rank with a reason saying why (:func:`note_unread`, :func:`note_linked_rank_dir`) instead of none.
+The reason goes with the step's next change (a real file registering clears it).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd import confine, runlayout
+from ckptd.catalog import repo
+from ckptd.catalog.models import Checkpoint, Run, Shard
+from ckptd.states import ShardState, StepState
+
+ERROR_CODE = "replaced"
+
+
+def what_replaced(root: str, path: str) -> str | None:
+    """Why ``path`` is no longer a shard file ckptd may read, or None (regular, or simply gone)."""
+    try:
+        os.close(confine.open_beneath(root, path))
+        return None
+    except FileNotFoundError:
+        return None  # vanished: ingest's deletion handling owns that
+    except confine.ConfinementError as err:
+        mode = _lmode(path)
+        if mode is None or stat.S_ISREG(mode):
+            return f"replaced: {err.message} (reached through a symlinked directory): not read"
+        return f"replaced by a {confine.kind_of(mode)}: not read"
+    except OSError as err:
+        return f"cannot be opened any more ({err.strerror}): not read"
+
+
+def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], owner: repo.Owner) -> list[str]:
+    """Invalidate the rows of those ``paths`` that are catalogued, owned here and replaced (see
+    module docstring). Returns the paths whose rows changed."""
+    why = {p: w for p in paths if (w := what_replaced(root, p)) is not None}
+    if not why:
+        return []
+    with sessions() as s:
+        rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.node, Shard.error).where(
+            Shard.path.in_(sorted(why)),
+            Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))).all()
+    changed = []
+    for shard_id, path, ckpt_id, node, error in sorted(rows, key=lambda r: r[2]):
+        if not owner.may_take(node) or error == why[path]:
+            continue  # another live node's file, or already said
+        with sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order: checkpoint, then its shards
+            s.execute(update(Shard).where(Shard.id == shard_id).values(
+                state=ShardState.CORRUPT.value, error_code=ERROR_CODE, error=why[path], size=0, mtime_ns=0, inode=0))
+            repo.add_event(s, ckpt_id, shard_id, "rescan", "corrupt", why[path])
+            ckpt.step_checks_ok = None
+            repo.recompute_step_state(s, ckpt)
+        changed.append(path)
+    return changed
+
+
+def _lmode(path: str) -> int | None:
+    """The mode of ``path`` itself (an ``lstat`` follows a symlinked directory on the way: a regular
+    file then is one elsewhere, reached through it); None if it is gone."""
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return None
+
+
+def _what_it_is(path: str) -> str:
+    mode = _lmode(path)
+    if mode is None:
+        return "gone"
+    if stat.S_ISREG(mode):  # named inside the root, but reached through a symlinked directory
+        return "a file reached through a symlinked directory"
+    return f"a {confine.kind_of(mode)}"
+
+
+def note_unread(sessions: sessionmaker[Session], ignored: dict[str, runlayout.ShardName]) -> int:
+    """Steps still waiting for a rank whose file is there but is no regular file beneath the root:
+    their reason says what it is (once; an existing reason is kept). Returns the steps noted."""
+    noted = 0
+    for path, name in sorted(ignored.items()):
+        why = f"rank {name.rank}: {os.path.basename(path)} is {_what_it_is(path)}, not a regular file: never read"
+        noted += _note(sessions, name.run, why, Checkpoint.prefix == name.prefix, Checkpoint.epoch == name.epoch,
+                       Checkpoint.step == name.step, Checkpoint.kind == name.kind)
+    return noted
+
+
+def note_linked_rank_dir(sessions: sessionmaker[Session], run: str, rank: int, path: str) -> int:
+    """A rank directory that is a symlink is never followed (nothing in it is catalogued): the
+    run's steps waiting for that rank say so."""
+    has_rank = select(Shard.id).where(Shard.checkpoint_id == Checkpoint.id, Shard.rank == rank,
+                                      Shard.state != ShardState.DELETED.value).exists()
+    return _note(sessions, run, f"rank {rank}: its directory {os.path.basename(path)} is a symlink: never followed",
+                 ~has_rank)
+
+
+def _note(sessions: sessionmaker[Session], run: str, why: str, *where) -> int:  # noqa: ANN002 - SQL clauses
+    with sessions() as s:
+        ids = s.execute(select(Checkpoint.id).join(Run, Run.id == Checkpoint.run_id).where(
+            Run.name == run, Checkpoint.state == StepState.INCOMPLETE.value, Checkpoint.reason.is_(None),
+            *where)).scalars().all()
+    for ckpt_id in ids:
+        with sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)
+            if ckpt.state == StepState.INCOMPLETE.value and ckpt.reason is None:
+                ckpt.reason = why
+    return len(ids)
