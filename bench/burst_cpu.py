@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sys.path[:0] = [args.code, os.path.join(args.code, "bench")]  # that checkout's ckptd and its writer
     from ingest_verify import write_job, write_strategy  # noqa: PLC0415 - after the path is set
-    from sqlalchemy import create_engine, select, text  # noqa: PLC0415
+    from sqlalchemy import create_engine, event, select, text  # noqa: PLC0415
 
     from ckptd.catalog import repo, verdicts  # noqa: PLC0415
     from ckptd.catalog.db import make_engine, upgrade  # noqa: PLC0415
@@ -98,16 +98,27 @@ def main(argv: list[str] | None = None) -> int:
         _timed(totals, ingest.Ingestor, "_ingest_checkpoint")
         _timed(totals, ingest.shardopen, "parse_error")
         cpu = {"ingest": 0.0, "verify": 0.0}
+        # SQL statements per phase: a round trip costs CPU on both sides of the socket, so a count
+        # that grows with the ranks (not the batches) is the first thing to cut
+        phase = ["warm-up"]
+        statements: collections.Counter = collections.Counter()
+
+        def count(conn, cursor, statement, parameters, context, executemany):
+            statements[(phase[0], " ".join(statement.split())[:90])] += 1
+
+        event.listen(daemon.engine, "before_cursor_execute", count)
         for step in range(1, args.steps + 1):
             paths = [str(root / "job" / f"rank_{r}" / f"net-1_{step}.ckpt") for r in range(args.ranks)]
             if step == 2:
                 for v in totals.values():
                     v[:] = [0, 0.0]
+            phase[0] = "ingest" if step > 1 else "warm-up"
             t0 = time.process_time()
             daemon.ingestor.examine_many(paths)
             t1 = time.process_time()
             with daemon.sessions() as s:
                 ids = list(s.execute(select(Shard.id).where(Shard.path.in_(paths)).order_by(Shard.id)).scalars())
+            phase[0] = "verify" if step > 1 else "warm-up"
             t2 = time.process_time()
             for i in range(0, len(ids), 128):
                 daemon.verifier.verify_shards(ids[i : i + 128])
@@ -126,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         print("| function | calls | wall ms per step |\n|---|---|---|")
         for label, (calls, secs) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
             print(f"| {label} | {calls} | {1e3 * secs / (args.steps - 1):.1f} |")
+        for name in ("ingest", "verify"):
+            mine = {k[1]: v for k, v in statements.items() if k[0] == name}
+            print(f"\nSQL statements per step, {name}: {sum(mine.values()) / (args.steps - 1):.0f}")
+            print("| statements per step | statement |\n|---|---|")
+            for sql, c in sorted(mine.items(), key=lambda kv: -kv[1])[:12]:
+                print(f"| {c / (args.steps - 1):.0f} | `{sql}` |")
     finally:
         if admin is not None:
             with admin.connect() as conn:

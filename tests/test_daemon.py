@@ -20,6 +20,7 @@ import pytest
 from ckptd.catalog.db import SchemaMismatchError, make_engine
 from ckptd.daemon import Daemon
 from ckptd.settings import Settings
+from ckptd.states import ShardState
 from tests.daemon_helpers import (
     query,
     rank_tensors,
@@ -238,8 +239,8 @@ def test_daemon_killed_during_ingest_converges_after_restart(ms, root, catalog_u
 
 @pytest.mark.slow
 def test_two_daemons_on_one_postgres_catalog(ms, root, tmp_path):
-    from tests.conftest import fresh_pg_database
     from ckptd.catalog.db import upgrade
+    from tests.conftest import fresh_pg_database
 
     url, drop = fresh_pg_database()
     try:
@@ -395,3 +396,35 @@ def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
         engine.dispose()
     assert step_states(catalog_url) == {100: "verified"}
     assert query(catalog_url, "SELECT outcome FROM verification_events WHERE kind = 'step'") == [("ok",)]
+
+
+def test_a_new_shard_is_parsed_once_and_a_re_verification_reads_its_records_again(ms, root, catalog_url, daemon,
+                                                                                  monkeypatch):
+    """Ingest, the first verification and the step check share one parse of a new plaintext shard
+    (the index cache: same inode, size, mtime and ctime, so the same bytes); a later verification,
+    a scrub's, parses the records from the bytes again, since damage below the file system leaves
+    all of those unchanged."""
+    from datetime import datetime, timedelta, timezone
+
+    from ckptd.format import checkpoint
+
+    parsed: list[str] = []
+    index_ckpt = checkpoint.ckpt_fmt.index_ckpt
+
+    def counting(source, **kw):
+        parsed.append(source.path)
+        return index_ckpt(source, **kw)
+
+    monkeypatch.setattr(checkpoint.ckpt_fmt, "index_ckpt", counting)
+    write_tp_strategy(root / "run1")
+    for rank in range(2):
+        save_shard(ms, root, "run1", rank, 100)
+    _settled(daemon, catalog_url, {100: "verified"})
+    assert len(parsed) == 2  # each shard's records parsed once, at ingest
+    assert daemon.verifier.index_cache.hits >= 4  # reused by its verification and by the step check
+    ids = [sid for (sid,) in query(catalog_url, "SELECT id FROM shards ORDER BY id")]
+    later = datetime.now(timezone.utc) + timedelta(seconds=1)
+    outcome = daemon.verifier.verify_shards(ids, asks=dict.fromkeys(ids, later))  # a scrub's ask
+    assert set(outcome.values()) == {ShardState.VERIFIED}
+    assert len(parsed) == 4  # the re-verification read the records from the bytes
+    assert query(catalog_url, "SELECT count(*) FROM verification_events WHERE kind = 'shard'") == [(4,)]

@@ -358,7 +358,7 @@ class Verifier:
             # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
             with confine.opened(str(self.settings.root), path) as name:
                 values, problems = (self._check_record(name, path) if path.endswith(".json")
-                                    else self._check_file(name, path, facts))
+                                    else self._check_file(name, path, facts, first=known_digest is None))
         except confine.ConfinementError as err:
             values, problems = {"digest": known_digest}, [(err.code, err.message)]
         except FileNotFoundError:
@@ -376,10 +376,13 @@ class Verifier:
         state = ShardState.CORRUPT if problems else ShardState.VERIFIED
         return _Outcome(before, state, values, time.perf_counter() - t0)
 
-    def _check_file(self, name: str, path: str, facts: _FactsJob | None = None,
+    def _check_file(self, name: str, path: str, facts: _FactsJob | None = None, *, first: bool = False,
                     ) -> tuple[dict[str, object], list[tuple[str, str]]]:
         """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``; with
-        ``facts``, also take the step check's facts of it from the same open file."""
+        ``facts``, also take the step check's facts of it from the same open file. ``first``: no
+        verdict recorded a digest yet, so the record index ingest parsed seconds ago (same inode,
+        size, mtime and ctime: the same bytes as written) is reused; a later verification (a scrub
+        looking for damage below the file system) parses the records from the bytes again."""
         # one pass over the disk: the digest hashes the bytes the CRC / decryption reads anyway,
         # and the step check's facts come from the index and payloads this verification opened
         digest = StreamDigest()
@@ -390,7 +393,8 @@ class Verifier:
             plan = facts.plan
             return content_step(ck), facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset)
 
-        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest)
+        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest,
+                             index_cache=self.index_cache if first else None)
         values: dict[str, object] = {"digest": digest.finish(name)}
         values.update(format=report.format, encryption=report.encryption, crc=report.crc)
         if report.ok:
