@@ -58,6 +58,17 @@ def save_tp_step(ms, root: Path, run: str, step: int, ranks=range(TP)) -> None:
         save_shard(ms, root, run, rank, step)
 
 
+def migrated_sqlite(path: Path) -> str:
+    """The URL of a new SQLite catalog at ``path``, migrated to the current schema."""
+    from ckptd.catalog.db import make_engine, upgrade
+
+    url = f"sqlite:///{path}"
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
 def fast_settings(root: Path, url: str, **overrides):
     """A test daemon's settings: settle, rescan and debounce short enough for tests to wait seconds."""
     from ckptd.settings import Settings

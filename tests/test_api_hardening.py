@@ -22,7 +22,7 @@ import pytest
 
 from ckptd.settings import ConfigError, Settings
 from tests.api_helpers import Server, free_port
-from tests.daemon_helpers import query, save_shard, write_tp_strategy
+from tests.daemon_helpers import migrated_sqlite, query, save_shard, write_tp_strategy
 
 TOKENS = {"r-token": "read", "p-token": "report", "a-token": "admin"}
 REPO = Path(__file__).resolve().parent.parent
@@ -45,12 +45,8 @@ def server(root, catalog_url):
 
 @pytest.fixture
 def sqlite_server(root, tmp_path):
-    from ckptd.catalog.db import make_engine, upgrade
 
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    url = migrated_sqlite(tmp_path / "catalog.db")
     with Server(Settings(root=root, db=url, settle_seconds=0.1, rescan_interval=3600, tokens=TOKENS)) as srv:
         yield srv
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from ckptd.catalog.db import make_engine, upgrade
+from ckptd.catalog.db import make_engine
 from ckptd.service.resume import ResumeOptions, resume
 from ckptd.settings import Settings
 from tests.api_helpers import Server
-from tests.daemon_helpers import query, started_daemon, wait_for
+from tests.daemon_helpers import migrated_sqlite, query, started_daemon, wait_for
 from tests.mf_fixtures import MFJob, ckpt_name_re
 
 
@@ -45,10 +45,7 @@ def _ckptd(root: Path, url: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_show_resume_and_step_list_of_a_mindformers_run(ms, root, tmp_path):
     """Output formatting only, so one catalog backend (SQLite) is enough here."""
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    url = migrated_sqlite(tmp_path / "catalog.db")
     job = MFJob(root / "job", tp=2, dp=1, pp=1, steps_per_epoch=4)
     job.strategy_files()
     job.save(4), job.save(6)  # global step 6 = epoch 2, step 2 in the file names

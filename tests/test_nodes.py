@@ -214,10 +214,7 @@ def test_scrub_on_both_nodes_judges_only_each_nodes_own_files(ms, tmp_path, pg_u
 
 
 def test_two_daemons_on_one_shared_directory_split_the_work(ms, tmp_path, pg_url):
-    shared = tmp_path / "lustre"
-    shared.mkdir()
-    a = Node("node-a", shared, shared, pg_url, tmp_path / "a.log")
-    b = Node("node-b", shared, shared, pg_url, tmp_path / "b.log")
+    a, b, shared = _shared_nodes(tmp_path, pg_url)
     try:
         a.start(), b.start()
         steps = list(range(10, 130, 10))
@@ -330,6 +327,14 @@ def _silent_for(node: Node, name: str) -> float:
     return {n["name"]: n for n in node.get("/v1/nodes").json()}[name]["seconds_since_heartbeat"]
 
 
+def _shared_nodes(tmp_path: Path, url: str) -> tuple[Node, Node, Path]:
+    """Nodes A and B watching one shared directory (Lustre/NFS), not started."""
+    shared = tmp_path / "lustre"
+    shared.mkdir()
+    return (Node("node-a", shared, shared, url, tmp_path / "a.log"), Node("node-b", shared, shared, url, tmp_path / "b.log"),
+            shared)
+
+
 def _split_nodes(ms, tmp_path, url, steps=(10,), timeout: float = 3) -> tuple[Node, Node, Path, Path]:
     """Nodes A (ranks 0-1) and B (ranks 2-3), each with its local disk at the same mount point."""
     mount = tmp_path / "checkpoints"
@@ -396,10 +401,7 @@ def test_re_verifying_a_run_leaves_an_unreachable_nodes_local_files_alone(ms, tm
 
 
 def test_on_a_shared_directory_a_dead_nodes_really_deleted_file_is_marked_deleted(ms, tmp_path, pg_url):
-    shared = tmp_path / "lustre"
-    shared.mkdir()
-    a = Node("node-a", shared, shared, pg_url, tmp_path / "a.log")
-    b = Node("node-b", shared, shared, pg_url, tmp_path / "b.log")
+    a, b, shared = _shared_nodes(tmp_path, pg_url)
     try:
         a.start()
         _save(ms, shared, range(TP), 10)

@@ -227,16 +227,12 @@ def test_launcher_resumes_a_mindformers_layout_job_from_ckptd_serve(ref_tp2, tmp
     import subprocess
     import sys
 
-    from ckptd.catalog.db import make_engine, upgrade
     from tests.api_helpers import serve_process, stop_process
-    from tests.daemon_helpers import wait_for
+    from tests.daemon_helpers import migrated_sqlite, wait_for
 
     root = tmp_path / "root"
     root.mkdir()
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    url = migrated_sqlite(tmp_path / "catalog.db")
     log = tmp_path / "serve.log"
     proc, client = serve_process(root, url, log)
     try:

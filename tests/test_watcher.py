@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.catalog.db import make_engine, upgrade
 from ckptd.daemon import Daemon
 from ckptd.inotify import InotifyTree
 from ckptd.settings import Settings
 from ckptd.watcher import wanted_name
-from tests.daemon_helpers import query, save_shard, step_states, wait_for, write_tp_strategy
+from tests.daemon_helpers import migrated_sqlite, query, save_shard, step_states, wait_for, write_tp_strategy
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/sys/fs/inotify"), reason="Linux inotify")
 
@@ -158,10 +157,7 @@ def test_queue_overflow_asks_for_a_rescan_and_watches_what_it_missed(tmp_path):
 def test_daemon_finds_saves_by_events_alone(ms, tmp_path, backend):
     root = tmp_path / "root"
     root.mkdir()
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
+    url = migrated_sqlite(tmp_path / "catalog.db")
     settings = Settings(root=root, db=url, watch_backend=backend, rescan_interval=3600, settle_seconds=0.2, debounce=0.02)
     d = Daemon(settings)
     d.start()
