@@ -285,10 +285,9 @@ def is_strategy_name(parts: list[str]) -> bool:
     return strategy_name(parts) is not None
 
 
-def resolves_inside(root: str, path: str, *, real_root: str | None = None) -> bool:
-    """True if ``path``, with every symlink resolved, is still below ``root`` (no escapes).
-    ``real_root``: ``os.path.realpath(root)`` if the caller already has it (the ingest hot path)."""
-    real_root = (real_root or os.path.realpath(root)).rstrip(os.sep) + os.sep
+def resolves_inside(root: str, path: str) -> bool:
+    """True if ``path``, with every symlink resolved, is still below ``root`` (no escapes)."""
+    real_root = os.path.realpath(root).rstrip(os.sep) + os.sep
     return os.path.realpath(path).startswith(real_root)
 
 
@@ -371,7 +370,7 @@ def tracker_path(run_path: str) -> str:
 def detect_layout(run_path: str) -> Layout:
     """A run is MindFormers-shaped when ``checkpoint/rank_<r>/`` exists, Checkpoint 2.0 when
     ``checkpoint/iteration_<it>/`` does (decided per run; legacy wins if a run holds both)."""
-    if _list_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR)):
+    if _scan_rank_dirs(os.path.join(run_path, MF_CHECKPOINT_DIR))[0]:
         return MINDFORMERS
     return CKPT2 if iteration_dirs(run_path) else NATIVE
 
@@ -397,23 +396,21 @@ def iteration_dirs(run_path: str) -> dict[int, str]:
     return found
 
 
-def shard_dirs(run_path: str) -> list[tuple[str, Layout]]:
-    """Every directory of a run that holds shards, with its layout (what a rescan lists)."""
+def shard_dirs(run_path: str) -> tuple[list[tuple[str, Layout]], dict[int, str]]:
+    """Every directory of a run that holds shards, with its layout (what a rescan lists), and
+    the run's ``rank_<r>`` entries that are symlinks (never followed: rescans skip them); one
+    layout detection and one listing."""
     layout = detect_layout(run_path)
     if layout == CKPT2:
-        return [(d, CKPT2) for _, d in sorted(iteration_dirs(run_path).items())]
-    return [(d, layout) for d in rank_dirs(run_path, layout).values()]
+        return [(d, CKPT2) for _, d in sorted(iteration_dirs(run_path).items())], {}
+    dirs, links = _scan_rank_dirs(_rank_base(run_path, layout))
+    return [(d, layout) for d in dirs.values()], links
 
 
 def rank_dirs(run_path: str, layout: Layout | None = None) -> dict[int, str]:
     """``rank_<r>`` shard directories of a run in its layout (real directories, no symlinks;
     none for Checkpoint 2.0, whose shards live in iteration directories)."""
-    return _list_rank_dirs(_rank_base(run_path, layout))
-
-
-def linked_rank_dirs(run_path: str) -> dict[int, str]:
-    """``rank_<r>`` entries of a run that are symlinks (never followed: rescans skip them)."""
-    return _list_rank_dirs(_rank_base(run_path, None), symlinks=True)
+    return _scan_rank_dirs(_rank_base(run_path, layout))[0]
 
 
 def _rank_base(run_path: str, layout: Layout | None) -> str | None:
@@ -424,16 +421,22 @@ def _rank_base(run_path: str, layout: Layout | None) -> str | None:
     return os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path
 
 
-def _list_rank_dirs(base: str | None, *, symlinks: bool = False) -> dict[int, str]:
-    found: dict[int, str] = {}
+def _scan_rank_dirs(base: str | None) -> tuple[dict[int, str], dict[int, str]]:
+    """``rank_<r>`` entries of ``base``: (real directories, symlinks)."""
+    dirs: dict[int, str] = {}
+    links: dict[int, str] = {}
     if base is None:
-        return found
+        return dirs, links
     try:
         with os.scandir(base) as it:
             for entry in it:
                 rank = parse_rank_dir(entry.name)
-                if rank is not None and (entry.is_symlink() if symlinks else entry.is_dir(follow_symlinks=False)):
-                    found[rank] = entry.path
+                if rank is None:
+                    continue
+                if entry.is_symlink():
+                    links[rank] = entry.path
+                elif entry.is_dir(follow_symlinks=False):
+                    dirs[rank] = entry.path
     except (FileNotFoundError, NotADirectoryError):
         pass
-    return found
+    return dirs, links

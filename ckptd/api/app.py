@@ -41,7 +41,6 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         d = daemon or Daemon(settings)
         app.state.daemon = d
         app.state.sessions = d.sessions
-        app.state.jobs = d.jobs
         app.state.started = time.monotonic()
         app.state.resume_cache.bind(d.engine)
         d.start()

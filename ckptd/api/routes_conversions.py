@@ -49,4 +49,4 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
             daemon.record_conversion(report["bytes_written"], report["seconds"])
         return doc
 
-    return request.app.state.jobs.start("convert", run, body.model_dump(), 0, work)
+    return daemon.jobs.start("convert", run, body.model_dump(), 0, work)

@@ -72,4 +72,4 @@ def unpin(run: RunName, step: Step, s: SessionDep, _: AdminScope) -> dict[str, A
 @router.post("/{run}/verify", response_model=JobOut, status_code=202, **_BODY)
 def reverify(run: RunName, body: VerifyRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     """Re-verify a run (or one step) in the background; poll GET /v1/jobs/{id} for progress."""
-    return request.app.state.jobs.start_verify(run, body.step)
+    return request.app.state.daemon.jobs.start_verify(run, body.step)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, DateTime, bindparam, insert, or_, select, text, update
+from sqlalchemy import Connection, DateTime, bindparam, insert, or_, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 
@@ -41,7 +41,7 @@ class Claim:
 
 def claim_verifications(session: Session, shard_ids: list[int], owner: Owner = LOCAL) -> dict[int, Claim]:
     """Start verifications: claim each shard for this node and bump its sequence number (see
-    ``record_verification``); returns the shards claimed. A shard another live node is verifying
+    ``record_verifications``); returns the shards claimed. A shard another live node is verifying
     is not claimed (several daemons on one shared root verify each shard once); a claim of an
     unreachable node is taken over. Callers claim the shards of one checkpoint under its lock,
     which serializes claims the way ``SKIP LOCKED`` would. One statement: the rows it updated are
@@ -64,10 +64,10 @@ def release_claims(session: Session, shard_ids: list[int], owner: Owner = LOCAL)
 
 def record_verification(
     session: Session, shard_id: int, st: FileStat, *, state: ShardState, values: dict[str, Any], detail: str | None,
-    seconds: float, seq: int | None = None, ckpt_id: int | None = None,
+    seconds: float, ckpt_id: int,
 ) -> bool:
-    """Store a verification outcome iff the shard is still the file that was verified and no
-    verification started after this one (``seq`` from ``claim_verifications``)."""
+    """Store one outcome found without a claim (ingest's parse error) iff the shard is still the
+    file that was judged and belongs to a step (``ckpt_id``, the shard's checkpoint)."""
     cond = [
         Shard.id == shard_id,
         Shard.size == st.size,
@@ -75,8 +75,6 @@ def record_verification(
         Shard.inode == st.inode,
         Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # not part of any step any more
     ]
-    if seq is not None:
-        cond.append(Shard.verify_seq == seq)
     res = session.execute(
         update(Shard)
         .where(*cond)
@@ -84,8 +82,6 @@ def record_verification(
                 claimed_by=None, **values)
     )
     if res.rowcount:
-        if ckpt_id is None:
-            ckpt_id = session.execute(select(Shard.checkpoint_id).where(Shard.id == shard_id)).scalar_one()
         add_event(session, ckpt_id, shard_id, "shard", state.value, detail, seconds)
     return bool(res.rowcount)
 

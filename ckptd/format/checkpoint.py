@@ -212,7 +212,7 @@ def open_checkpoint(
             return CheckpointFile(path, fmt, None, entries, crc, dict(sti.metadata), (), source, sti)
         idx = None
         if index_cache is not None and isinstance(source, MmapSource):
-            cache_key = index_cache.key_for(path, source.stat)
+            cache_key = index_cache.key_for(source.stat)
             idx = index_cache.get(cache_key)
             if idx is not None and idx.records > limits.max_entries:  # cached under larger limits
                 raise LimitExceededError(

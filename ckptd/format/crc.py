@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import threading
 import zlib
 from typing import Callable
 
-from ckptd.format.workpool import shared_pool
+from ckptd.format.workpool import CPUS, shared_pool
 
 try:  # optional accelerator, identical results
     from isal.isal_zlib import crc32 as _crc32  # type: ignore[import-not-found]
@@ -25,7 +24,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 crc32: Callable[..., int] = _crc32
 
 _POLY = 0xEDB88320
-_CPUS = os.cpu_count() or 1  # os.cpu_count() reads /sys each call: ~10 µs a small shard paid
 _MIN_PARALLEL = 64 << 20  # below this, thread hand-off costs more than it saves
 
 
@@ -93,7 +91,7 @@ def parallel_crc32(
     order and the caller's memory stays bounded by ``workers`` chunks.
     """
     n = len(buf)
-    workers = workers or _CPUS
+    workers = workers or CPUS
     pieces = [(off, min(chunk, n - off)) for off in range(0, n, chunk)] or [(0, 0)]
 
     def one(piece: tuple[int, int]) -> int:

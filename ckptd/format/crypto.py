@@ -64,9 +64,8 @@ from ckptd.format.crypto_blocks import (
     sniff_encryption,
     validate_key,
 )
-from ckptd.format.digest import StreamDigest
 from ckptd.format.source import MmapSource
-from ckptd.format.workpool import BLOCK_BUFFERS, is_exported, shared_pool
+from ckptd.format.workpool import BLOCK_BUFFERS, CPUS, is_exported, shared_pool
 
 __all__ = [
     "ENCRYPT_BLOCK_SIZE",
@@ -130,7 +129,6 @@ class EncryptedSource:
         *,
         workers: int | None = None,
         check_key: bool = True,
-        digest: StreamDigest | None = None,
         raw: MmapSource | None = None,
     ) -> None:
         """``raw``: the file, already open (``open_checkpoint`` sniffed its first bytes from it);
@@ -145,8 +143,8 @@ class EncryptedSource:
         except CkptdError as exc:
             raise exc.with_path(self.path) from None
         self._key = bytes(key)
-        self.workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
-        self._raw = raw if raw is not None else MmapSource(self.path, digest)  # the digest covers the ciphertext
+        self.workers = max(1, workers if workers is not None else min(4, CPUS))
+        self._raw = raw if raw is not None else MmapSource(self.path)
         try:
             self._open(requested, check_key)
         except CkptdError as exc:

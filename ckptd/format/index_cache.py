@@ -36,8 +36,8 @@ class IndexCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key_for(path: str, st: os.stat_result) -> CacheKey:
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # path: any name of the file
+    def key_for(st: os.stat_result) -> CacheKey:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # of the file, whatever its name
 
     def get(self, key: CacheKey) -> CkptIndex | None:
         with self._lock:

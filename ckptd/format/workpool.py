@@ -19,6 +19,7 @@ import concurrent.futures
 import os
 import threading
 
+CPUS = os.cpu_count() or 1  # os.cpu_count() reads /sys on each call: ~10 µs a small shard paid
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -29,7 +30,7 @@ def shared_pool() -> concurrent.futures.ThreadPoolExecutor:
     if _pool is None:
         with _pool_lock:
             if _pool is None:
-                _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
+                _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, CPUS),
                                                               thread_name_prefix="ckptd-read")
     return _pool
 

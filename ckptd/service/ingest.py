@@ -97,10 +97,11 @@ class Ingestor:
         for run in runs:
             run_path = os.path.join(self.root, run)
             self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
-            for rank, link in runlayout.linked_rank_dirs(run_path).items():
+            shard_dirs, linked = runlayout.shard_dirs(run_path)
+            for rank, link in linked.items():
                 self.note_ignored(link, "a rank directory that is a symlink: never followed, nothing in it is catalogued")
                 replaced.note_linked_rank_dir(self.sessions, run, rank, link)
-            for shard_dir, layout in runlayout.shard_dirs(run_path):
+            for shard_dir, layout in shard_dirs:
                 with os.scandir(shard_dir) as it:
                     for entry in it:
                         if should_stop():

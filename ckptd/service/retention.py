@@ -130,7 +130,7 @@ def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
                 confine.rmdir_beneath(root, d)
 
 
-def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str] | None = None) -> list[str]:
+def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str]) -> list[str]:
     """Rows and files of the converted copies of a step that retention is deleting (a copy never
     outlives its source: its lineage would point nowhere). A copy whose directory is refused
     (a symlink, or outside the root) keeps its rows with the refusal as reason, and the refusal
@@ -139,12 +139,11 @@ def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str] | Non
     for copy in s.execute(select(Checkpoint).where(Checkpoint.derived_from_id == ckpt_id)).scalars().all():
         dirs = {os.path.dirname(os.path.dirname(p)) for p in s.execute(
             select(Shard.path).where(Shard.checkpoint_id == copy.id)).scalars()}
-        why = [w for w in (_remove_tree(root, d) for d in sorted(dirs)) if w]
+        why = [w for w in (_refused(confine.rmtree_beneath, root, d) for d in sorted(dirs)) if w]
         removed += [d for d in dirs if not os.path.lexists(d)]
         if why:
             copy.reason = "; ".join(why)
-            if refused is not None:
-                refused += why
+            refused += why
             continue
         s.execute(ConversionJob.__table__.delete().where(ConversionJob.output_checkpoint_id == copy.id))
         delete_checkpoint_rows(s, copy.id)
@@ -152,17 +151,8 @@ def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str] | Non
     return removed
 
 
-def _remove_tree(root: str, d: str) -> str | None:
-    """Remove a converted copy's directory; why not, if refused."""
-    return _refused(confine.rmtree_beneath, root, d)
-
-
-def _remove_file(root: str, target: str) -> str | None:
-    """Remove one shard file or sidecar; why not, if refused (a missing file is no refusal)."""
-    return _refused(confine.unlink_beneath, root, target)
-
-
 def _refused(remove: Callable[[str, str], None], root: str, path: str) -> str | None:
+    """``remove(root, path)``; why not, if confinement refused it (a missing file is no refusal)."""
     try:
         remove(root, path)
     except FileNotFoundError:
@@ -205,7 +195,7 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
             for target in (path, sidecar_for(path)):
                 if not os.path.lexists(target):
                     continue
-                why = _remove_file(root, target)
+                why = _refused(confine.unlink_beneath, root, target)  # a missing file is no refusal
                 if why:
                     refused.append(why)
                 else:

@@ -129,7 +129,7 @@ class StepJudge:
                 if any(os.path.exists(r.path) for r in rows if r.state != ShardState.VERIFIED.value):
                     return False
                 return any(os.path.exists(r.path) for r in verified)
-            whole = (_subset(s, ckpt) and ckpt.strategy_id is not None) or \
+            whole = (ckpt.strategy_id is not None and _subset(s, ckpt)) or \
                 len({r.rank for r in rows}) >= ckpt.expected_ranks or len(rows) >= ckpt.expected_ranks
             if whole:
                 return any(os.path.exists(r.path) for r in rows)
