@@ -129,6 +129,12 @@ def _signal_name(code: int) -> str:
     return f"exit code {code}"
 
 
+def least_advanced(beats: dict[int, dict]) -> int:
+    """The rank whose last heartbeat is furthest behind: lowest step, then earliest phase, then oldest."""
+    return min(beats, key=lambda r: (beats[r].get("step", 0), PHASE_ORDER.get(beats[r].get("phase"), 9),
+                                     float(beats[r]["time"]), r))
+
+
 class Job:
     """One attempt: ``cmd`` started in its own session, its output in ``<log_dir>/msrun.out``."""
 
@@ -201,9 +207,15 @@ class Job:
             if now - float(hb["time"]) > limit:
                 stale.append((r, hb))
         if stale:
-            r, hb = min(stale, key=lambda x: (x[1].get("step", 0), PHASE_ORDER.get(x[1].get("phase"), 9), x[1]["time"]))
-            return "failed", Failure(r, hb.get("step"), f"heartbeat stale for {now - float(hb['time']):.0f}s "
-                                                        f"(hung in phase {hb.get('phase')})")
+            # A rank blocked in a collective goes silent behind the peer that really hung, and may go
+            # stale first (it beat last before the peer's last beat); the culprit is the rank that got
+            # least far, stale or not yet.
+            waiting = {r: hb for r, hb in beats.items() if hb is not None and exits[r] is None}
+            r, (silent, oldest) = least_advanced(waiting), min(stale, key=lambda x: float(x[1]["time"]))
+            hb = waiting[r]
+            return "failed", Failure(r, hb.get("step"), f"heartbeat stale for {now - float(oldest['time']):.0f}s "
+                                                        f"on rank {silent}; rank {r} got least far "
+                                                        f"(hung in phase {hb.get('phase')} of step {hb.get('step')})")
         rc = self.proc.poll()
         if rc is not None:
             return "failed", Failure(None, None, f"msrun exited with code {rc} before all ranks finished")

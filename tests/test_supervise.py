@@ -1,0 +1,54 @@
+"""The launcher's judgement of a running job from its ranks' heartbeat files (real processes, no MindSpore)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from ckptd.launcher.supervise import Job, Watch, least_advanced
+
+#: two "ranks" in one real process: rank 0 reaches the collective of step 5 and blocks there (its
+#: last beat is "sync"); rank 1 beats "train" of step 5 a moment *later* and then hangs for good.
+#: Rank 0 goes silent first, but it is rank 1 that hung.
+BLOCKED_BEHIND_A_HUNG_PEER = """
+import sys, time
+from ckptd.launcher.heartbeat import Heartbeat
+hb_dir = sys.argv[1]
+Heartbeat(hb_dir, 0, 0).beat(5, "sync")
+time.sleep(0.6)
+Heartbeat(hb_dir, 1, 0).beat(5, "train")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(("beats", "culprit"), [
+    ({0: (5, "sync", 1.0), 1: (5, "train", 2.0)}, 1),     # earlier phase of the same step
+    ({0: (6, "train", 1.0), 1: (5, "save", 9.0)}, 1),      # lower step, whatever the phase
+    ({0: (5, "sync", 3.0), 1: (5, "sync", 2.0)}, 1),      # same place: the one silent longest
+    ({0: (5, "sync", 2.0), 1: (5, "sync", 2.0)}, 0),      # a full tie: the lower rank, deterministically
+    ({2: (0, "starting", 5.0), 3: (4, "compute", 1.0)}, 2),
+])
+def test_the_least_advanced_rank_is_the_culprit(beats, culprit):
+    docs = {r: {"step": s, "phase": p, "time": t} for r, (s, p, t) in beats.items()}
+    assert least_advanced(docs) == culprit
+
+
+def test_a_rank_blocked_behind_a_hung_peer_is_not_blamed_for_it(tmp_path):
+    hb_dir, log_dir = str(tmp_path / "hb"), str(tmp_path / "log")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = Job([sys.executable, "-c", BLOCKED_BEHIND_A_HUNG_PEER, hb_dir], env, 2, hb_dir, log_dir,
+              Watch(heartbeat_timeout=1.0, startup_timeout=30.0))
+    try:
+        deadline = time.time() + 30
+        state, failure = job.check()
+        while state == "running" and time.time() < deadline:
+            time.sleep(0.05)
+            state, failure = job.check()
+    finally:
+        job.stop()
+    assert state == "failed" and failure is not None, (state, failure)
+    assert failure.rank == 1 and failure.step == 5, failure
+    assert "heartbeat stale" in failure.reason and "phase train of step 5" in failure.reason, failure.reason
