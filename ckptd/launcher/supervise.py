@@ -44,6 +44,8 @@ JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESU
 
 #: how far into a step a heartbeat phase is: of several stale ranks, the one furthest behind is the
 #: culprit (ranks blocked in a collective behind a hung peer have reported a later phase or step)
+#: how long to wait for msrun to log the exit code of a worker found dead
+REAP_WAIT = 5.0
 PHASE_ORDER = {"starting": 0, "train": 1, "compute": 2, "sync": 3, "save": 4, "finishing": 5}
 _WORKER_EXIT = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 
@@ -160,6 +162,17 @@ class Job:
         except OSError:
             return {}
 
+    def _reaped_codes(self, pids: list[int]) -> dict[int, int]:
+        """msrun's exit codes, once it has logged one of ``pids`` (it polls its workers about once a
+        second, later on a loaded machine) or exited, or after ``REAP_WAIT`` s: which rank died first,
+        and of what, is in its log, not in the heartbeat files."""
+        deadline = time.monotonic() + REAP_WAIT
+        while True:
+            codes = self._msrun_exit_codes()
+            if any(p in codes for p in pids) or self.proc.poll() is not None or time.monotonic() >= deadline:
+                return codes
+            time.sleep(0.1)
+
     def check(self) -> tuple[str, Failure | None]:
         """("running" | "done" | "failed", failure)."""
         now = time.time()
@@ -187,9 +200,9 @@ class Job:
             if hb is not None and exits[r] is None and not _alive(int(hb["pid"])):
                 dead.append((r, hb))
         if dead:
-            time.sleep(1.5)  # let msrun log the exit code of the first worker it reaped
-            codes = self._msrun_exit_codes()
-            first = next(((r, hb) for r, hb in dead if int(hb["pid"]) in codes), None)
+            codes = self._reaped_codes([int(hb["pid"]) for _, hb in dead])
+            by_pid = {int(hb["pid"]): (r, hb) for r, hb in dead}
+            first = next((by_pid[pid] for pid in codes if pid in by_pid), None)  # msrun's log order
             r, hb = first or min(dead, key=lambda x: (x[1].get("step", 0), x[0]))
             code = codes.get(int(hb["pid"]))
             why = _signal_name(code) if code is not None else "process vanished"
