@@ -125,12 +125,45 @@ def test_health_reports_are_posted_and_never_block():
     finally:
         srv.shutdown()
     down = HealthReporter("http://127.0.0.1:9", "run1", None, timeout=0.2)  # nothing listens on port 9
+    # (after the retries each report meets, the bounded queue drops what cannot be sent)
     # 500 reports against a dead ckptd must return without waiting on the network: a hang check
     # (generous join), not a speed threshold; the bounded queue drops what cannot be sent
     caller = threading.Thread(target=lambda: [down.report(i, 1.0, 1.0, False) for i in range(500)])
     caller.start()
     caller.join(timeout=60)
     assert not caller.is_alive() and down.dropped > 0
+
+
+@pytest.mark.parametrize(("answers", "tries", "sent"), [
+    ([503, 204], 2, 1),        # a busy ckptd: the report is sent again
+    ([500, 502, 204], 3, 1),   # three tries in all
+    ([503, 503, 503], 3, 0),   # then it is given up (best effort)
+    ([404, 204], 1, 0),        # a refusal is final: the run is not catalogued, sending again is pointless
+])
+def test_health_reports_are_retried_on_server_errors_but_not_on_refusals(answers, tries, sent):
+    seen: list[dict] = []
+    queue_ = list(answers)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(queue_.pop(0) if queue_ else 204)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rep = HealthReporter(f"http://127.0.0.1:{srv.server_port}", "run1", None)
+        rep.report(3, 1.5, None, False)
+        assert rep.flush(timeout=30)
+        assert seen == [{"step": 3, "loss": 1.5, "grad_norm": None, "overflow": False}] * tries
+        assert (rep.sent, rep.failed) == (sent, 1 - sent)
+    finally:
+        srv.shutdown()
 
 
 # --- one rank (no msrun) ------------------------------------------------------------------------

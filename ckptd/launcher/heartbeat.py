@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import xxhash
@@ -64,10 +65,15 @@ class Heartbeat:
         write_json_fast(exit_path(self.hb_dir, self.rank), {"code": code, "step": step, "attempt": self.attempt})
 
 
+#: pauses before the second and third try of a health report that met a timeout, a connection
+#: error or a 5xx
+RETRY_PAUSES = (0.2, 1.0)
+
+
 class HealthReporter:
     """``POST {url}/v1/runs/{run}/health`` from a background thread; never blocks, never raises."""
 
-    def __init__(self, url: str | None, run: str, token: str | None, timeout: float = 1.0) -> None:
+    def __init__(self, url: str | None, run: str, token: str | None, timeout: float = 3.0) -> None:
         self.url = f"{url.rstrip('/')}/v1/runs/{run}/health" if url else None
         self.token, self.timeout = token, timeout
         self.q: queue.Queue[dict] = queue.Queue(maxsize=64)
@@ -106,9 +112,19 @@ class HealthReporter:
                                      headers={"Content-Type": "application/json"})
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                resp.read()
-            self.sent += 1
-        except Exception:  # noqa: BLE001 -- ckptd down/slow/refusing: health is best effort by design
-            self.failed += 1
+        # A busy ckptd (its catalog writing a burst of shards) can miss one timeout; a report is an
+        # upsert per step, so sending it again is safe. A refusal (4xx) is final.
+        for pause in (*RETRY_PAUSES, None):
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    resp.read()
+                self.sent += 1
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500:
+                    break
+            except Exception:  # noqa: BLE001, S110 -- ckptd down/slow: health is best effort by design
+                pass
+            if pause is not None:
+                time.sleep(pause)
+        self.failed += 1
