@@ -81,6 +81,11 @@ def committed(run_dir: Path, rank: int) -> list[int]:
     return sorted(s for n in names if n + ".done" in names and (s := global_step(n)) is not None)
 
 
+def both_committed(run_dir: Path) -> set[int]:
+    """The global steps both ranks have committed: what a resume may start from."""
+    return set(committed(run_dir, 0)) & set(committed(run_dir, 1))
+
+
 def heartbeat(run_dir: Path, rank: int) -> dict | None:
     try:
         return json.loads((run_dir / "heartbeat" / f"rank_{rank}.json").read_text())
@@ -148,21 +153,23 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
         expected = []
         try:
             # 1. SIGKILL rank 1 while it trains, once its step-4 save is committed
-            hb = wait_for(lambda: attempt_at(run_dir, 1, 0, 5) if 4 in committed(run_dir, 1) else None,
+            hb = wait_for(lambda: attempt_at(run_dir, 1, 0, 5) if 4 in both_committed(run_dir) else None,
                           timeout=240, what="attempt 0 training past its first save")
             os.kill(hb["pid"], signal.SIGKILL)
-            expected.append(max(committed(run_dir, 1)))
+            expected.append(max(both_committed(run_dir)))
             # 2. SIGKILL rank 1 while its async save of step 12 is in flight (.tmp half written)
             flag = run_dir / "save_in_flight_rank_1"
             wait_for(flag.exists, timeout=240, what="attempt 1's held async save")
-            os.kill(heartbeat(run_dir, 1)["pid"], signal.SIGKILL)
             partial = Path(flag.read_text())
-            expected.append(max(committed(run_dir, 1)))
+            rank0_done = Path(str(partial.with_suffix(".ckpt")).replace("rank_1", "rank_0") + ".done")
+            wait_for(rank0_done.exists, timeout=60, what="rank 0's own save of that step committed")
+            os.kill(heartbeat(run_dir, 1)["pid"], signal.SIGKILL)
+            expected.append(max(both_committed(run_dir)))
             # 3. hang rank 1 (SIGSTOP: alive, silent) after attempt 2 saved step 12
-            hb = wait_for(lambda: attempt_at(run_dir, 1, 2, 13) if 12 in committed(run_dir, 1) else None,
+            hb = wait_for(lambda: attempt_at(run_dir, 1, 2, 13) if 12 in both_committed(run_dir) else None,
                           timeout=240, what="attempt 2 training past step 12's save")
             os.kill(hb["pid"], signal.SIGSTOP)
-            expected.append(max(committed(run_dir, 1)))
+            expected.append(max(both_committed(run_dir)))
             _, err = launcher.communicate(timeout=300)
         finally:
             if launcher.poll() is None:

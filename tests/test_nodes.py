@@ -45,7 +45,7 @@ def pg_url():
 class Node:
     """``ckptd serve`` as node ``name``: ``disk`` is bind-mounted at ``mount`` in its own namespace."""
 
-    def __init__(self, name: str, disk: Path, mount: Path, url: str, log: Path, timeout: float = 3, **env: str) -> None:
+    def __init__(self, name: str, disk: Path, mount: Path, url: str, log: Path, timeout: float = 6, **env: str) -> None:
         self.name, self.disk, self.mount, self.url, self.log = name, disk, mount, url, log
         self.timeout, self.env = timeout, env
         self.port = free_port()
@@ -335,7 +335,7 @@ def _shared_nodes(tmp_path: Path, url: str) -> tuple[Node, Node, Path]:
             shared)
 
 
-def _split_nodes(ms, tmp_path, url, steps=(10,), timeout: float = 3) -> tuple[Node, Node, Path, Path]:
+def _split_nodes(ms, tmp_path, url, steps=(10,), timeout: float = 6) -> tuple[Node, Node, Path, Path]:
     """Nodes A (ranks 0-1) and B (ranks 2-3), each with its local disk at the same mount point."""
     mount = tmp_path / "checkpoints"
     mount.mkdir()

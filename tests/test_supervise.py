@@ -40,7 +40,7 @@ def test_a_rank_blocked_behind_a_hung_peer_is_not_blamed_for_it(tmp_path):
     hb_dir, log_dir = str(tmp_path / "hb"), str(tmp_path / "log")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     job = Job([sys.executable, "-c", BLOCKED_BEHIND_A_HUNG_PEER, hb_dir], env, 2, hb_dir, log_dir,
-              Watch(heartbeat_timeout=1.0, startup_timeout=30.0))
+              Watch(heartbeat_timeout=3.0, startup_timeout=30.0))
     try:
         deadline = time.time() + 30
         state, failure = job.check()

@@ -165,7 +165,9 @@ def test_tp2_restart_into_the_same_dir_writes_next_incarnation_and_resumes_exact
     assert sorted(got) == list(range(1, 9))
     for step, entries in got.items():
         assert {h for _, h in entries} == {ref[step][0][1]}, f"loss of step {step} differs after resume"
-    assert [a for a, _ in got[4]] == [0, 1]  # step 4 trained before the kill and again after the resume
+    # step 4 trained again after the resume (attempt 0's line for it is there unless rank 0 was
+    # stopped between rank 1's death and writing it)
+    assert [a for a, _ in got[4]] in ([0, 1], [1])
     for r in range(2):
         assert th.read(mf_shard(d, r, 2, 4, k=1)) == th.read(mf_shard(ref_tp2, r, 2, 4)), r
         assert th.read(mf_shard(d, r, 2, 2, k=1)) == th.read(mf_shard(ref_tp2, r, 2, 2)), r
