@@ -207,6 +207,17 @@ def rmdir_beneath(root: str, path: str) -> None:
         os.rmdir(parts[-1], dir_fd=dir_fd)
 
 
+def listdir_beneath(root: str, path: str) -> list[str]:
+    """The names in the real directory ``path`` below ``root``, every component a real directory."""
+    parts = _components(root, path)
+    with _walk(root, parts, path) as dir_fd:
+        fd = _open_dir(parts[-1], dir_fd, path)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def rmtree_beneath(root: str, path: str) -> None:
     """``rm -r`` of the real directory ``path`` below ``root``. shutil's descriptor-based rmtree
     (``dir_fd``) never follows a symlink inside the tree; a symlink as ``path`` itself is refused."""

@@ -23,8 +23,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import stat
 from datetime import datetime, timedelta, timezone
 from collections.abc import Iterator
 from typing import Any, Callable
@@ -38,7 +36,6 @@ from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, Str
 from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, load_strategy, parse_strategy_bytes, save_strategy
-from ckptd.runlayout import relative_parts
 from ckptd.service import jobs
 from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_step
 from ckptd.service.verifier import file_digest, stat_of
@@ -428,57 +425,32 @@ def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
     return dead_here
 
 
-def _open_dir_beneath(root: str, path: str) -> int | None:
-    """A descriptor of directory ``path`` reached from ``root`` one component at a time without
-    following a symlink; None if it is not a real directory inside the root."""
-    parts = relative_parts(root, path)
-    if not parts or any(p in ("", os.curdir, os.pardir) for p in parts):
-        return None
-    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(root, flags)
-    except OSError:
-        return None
-    try:
-        for part in parts:
-            nxt = os.open(part, flags | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
                        tmp_prefix: str) -> tuple[list[str], list[str], list[str]]:
     """Remove the temp trees ``wanted`` picks in ``out``: (removed paths, refusals, rank directories
     present in ``out``). Only a real directory named like ckptd's temp tree, in a directory reached
-    beneath ``root`` without a symlink; the tree itself is removed through descriptors
-    (``shutil.rmtree(dir_fd=…)``), so a symlink inside it is unlinked, never followed."""
+    beneath ``root`` without a symlink, removed through descriptors (:func:`confine.rmtree_beneath`:
+    a symlink inside it is unlinked, never followed)."""
     removed: list[str] = []
     refused: list[str] = []
-    fd = _open_dir_beneath(root, out)
-    if fd is None:
-        if os.path.lexists(out):
-            refused.append(f"{out}: outside the checkpoint root or reached through a symlink; "
-                           "temp data of the abandoned conversion there was not removed")
+    try:
+        names = confine.listdir_beneath(root, out)
+    except FileNotFoundError:
+        return removed, refused, []
+    except (confine.ConfinementError, OSError):
+        refused.append(f"{out}: outside the checkpoint root or reached through a symlink; "
+                       "temp data of the abandoned conversion there was not removed")
         return removed, refused, []
     name_re = re.compile(re.escape(tmp_prefix) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
-    try:
-        names = os.listdir(fd)
-        for name in names:
-            m = name_re.fullmatch(name)
-            if m is None or not wanted(m["host"], int(m["pid"])):
-                continue
-            path = os.path.join(out, name)
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode) or not shutil.rmtree.avoids_symlink_attacks:
-                refused.append(f"{path}: not a directory (a symlink?); left alone")
-                continue
-            shutil.rmtree(name, dir_fd=fd)
-            removed.append(path)
-        partial = sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
-    finally:
-        os.close(fd)
-    return removed, refused, partial
+    for name in names:
+        m = name_re.fullmatch(name)
+        if m is None or not wanted(m["host"], int(m["pid"])):
+            continue
+        path = os.path.join(out, name)
+        try:
+            confine.rmtree_beneath(root, path)
+        except confine.ConfinementError:
+            refused.append(f"{path}: not a directory (a symlink?); left alone")
+            continue
+        removed.append(path)
+    return removed, refused, sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
