@@ -78,18 +78,16 @@ def marker_path(root: str, name: str) -> str:
     return os.path.join(root, MARKER_PREFIX + name)
 
 
-def write_marker(root: str, name: str) -> bool:
+def write_marker(root: str, name: str) -> None:
     """Leave this node's sharing marker in its root: another node that finds it in *its* root
     watches the same filesystem, so a file of ours it cannot see is really gone (``Owner.shared``).
     A read-only root gets none (this node is then never proven to share it): logged, not fatal."""
     try:
         with atomic_write(marker_path(root, name), overwrite=True) as fh:
             fh.write(f"ckptd node {name}\n".encode())
-        return True
     except OSError as err:
         log.warning("cannot write the node marker in %s (%s): other nodes will not count this root as shared",
                     root, err.strerror)
-        return False
 
 
 def sharing(root: str, names: set[str]) -> frozenset[str]:

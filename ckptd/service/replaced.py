@@ -56,18 +56,22 @@ def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], 
         rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.node, Shard.error).where(
             Shard.path.in_(sorted(why)),
             Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))).all()
+    by_step: dict[int, list[tuple[int, str]]] = {}
+    for shard_id, path, ckpt_id, node, error in rows:
+        if owner.may_take(node) and error != why[path]:  # not another live node's file, not already said
+            by_step.setdefault(ckpt_id, []).append((shard_id, path))
     changed = []
-    for shard_id, path, ckpt_id, node, error in sorted(rows, key=lambda r: r[2]):
-        if not owner.may_take(node) or error == why[path]:
-            continue  # another live node's file, or already said
+    for ckpt_id, shards in sorted(by_step.items()):  # one transaction per step
         with sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order: checkpoint, then its shards
-            s.execute(update(Shard).where(Shard.id == shard_id).values(
-                state=ShardState.CORRUPT.value, error_code=ERROR_CODE, error=why[path], size=0, mtime_ns=0, inode=0))
-            repo.add_event(s, ckpt_id, shard_id, "rescan", "corrupt", why[path])
+            for shard_id, path in shards:
+                s.execute(update(Shard).where(Shard.id == shard_id).values(
+                    state=ShardState.CORRUPT.value, error_code=ERROR_CODE, error=why[path], size=0, mtime_ns=0,
+                    inode=0))
+                repo.add_event(s, ckpt_id, shard_id, "rescan", "corrupt", why[path])
             ckpt.step_checks_ok = None
             repo.recompute_step_state(s, ckpt)
-        changed.append(path)
+        changed.extend(path for _, path in shards)
     return changed
 
 
