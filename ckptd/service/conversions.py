@@ -24,7 +24,6 @@ import logging
 import os
 import re
 from datetime import datetime, timedelta, timezone
-from collections.abc import Iterator
 from typing import Any, Callable
 
 from sqlalchemy import select
@@ -128,15 +127,13 @@ def _load_strategy(root: str, path: str) -> Strategy:
     return parse_strategy_bytes(confine.read_beneath(root, path, MAX_STRATEGY_BYTES), path)
 
 
-@contextlib.contextmanager
-def _confined_sources(root: str, files: dict) -> Iterator[dict]:
-    """The step's source files opened through :mod:`ckptd.confine` for the whole conversion: the
-    readers get names of the descriptors (a shard swapped for a FIFO or symlink since it was
-    verified is refused here, never opened by name)."""
-    with contextlib.ExitStack() as stack:
-        def one(path: str) -> str:
-            return stack.enter_context(confine.opened(root, path))
-        yield {rank: one(f) if isinstance(f, str) else [one(p) for p in f] for rank, f in files.items()}
+def _confined_sources(stack: contextlib.ExitStack, root: str, files: dict) -> dict:
+    """The step's source files opened through :mod:`ckptd.confine`, held open by ``stack`` for the
+    whole conversion: the readers get names of the descriptors (a shard swapped for a FIFO or
+    symlink since it was verified is refused here, never opened by name)."""
+    def one(path: str) -> str:
+        return stack.enter_context(confine.opened(root, path))
+    return {rank: one(f) if isinstance(f, str) else [one(p) for p in f] for rank, f in files.items()}
 
 
 def convert_step(
@@ -192,7 +189,7 @@ def convert_step(
             # `converted -> /elsewhere` symlink must not redirect it (ckptd.confine)
             confine.make_dirs_beneath(root, os.path.dirname(out))
             confine.check_dir_beneath(root, out)
-        sources = stack.enter_context(_confined_sources(root, files))
+        sources = _confined_sources(stack, root, files)
         plan = plan_conversion(read_inventory(sources, key), src_strategy, target, subset=iteration)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
