@@ -9,12 +9,14 @@ rounding, and *bitwise* between an uninterrupted run and a killed-and-resumed ru
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -99,14 +101,19 @@ def test_fault_and_oracle_parsing():
         interpret_answer({"shards": []}, 1, "t")
 
 
-def test_health_reports_are_posted_and_never_block():
-    got: list[tuple[dict, str | None]] = []
+@contextlib.contextmanager
+def _health_server(statuses: list[int]) -> Iterator[tuple[str, list]]:
+    """A real HTTP server answering POSTs with ``statuses`` in turn (then 204); yields its URL and
+    the (path, body, Authorization) of every request it got."""
+    got: list[tuple[str, dict, str | None]] = []
+    answers = list(statuses)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             got.append((self.path, body, self.headers.get("Authorization")))
-            self.send_response(204)
+            self.send_response(answers.pop(0) if answers else 204)
+            self.send_header("Content-Length", "0")
             self.end_headers()
 
         def log_message(self, *a):
@@ -115,17 +122,21 @@ def test_health_reports_are_posted_and_never_block():
     srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        rep = HealthReporter(f"http://127.0.0.1:{srv.server_port}", "run1", "tok")
+        yield f"http://127.0.0.1:{srv.server_port}", got
+    finally:
+        srv.shutdown()
+
+
+def test_health_reports_are_posted_and_never_block():
+    with _health_server([]) as (url, got):
+        rep = HealthReporter(url, "run1", "tok")
         rep.report(5, 2.5, 0.75, False)
         deadline = time.time() + 10
         while not got and time.time() < deadline:
             time.sleep(0.02)
         assert got == [("/v1/runs/run1/health", {"step": 5, "loss": 2.5, "grad_norm": 0.75, "overflow": False},
                         "Bearer tok")]
-    finally:
-        srv.shutdown()
     down = HealthReporter("http://127.0.0.1:9", "run1", None, timeout=0.2)  # nothing listens on port 9
-    # (after the retries each report meets, the bounded queue drops what cannot be sent)
     # 500 reports against a dead ckptd must return without waiting on the network: a hang check
     # (generous join), not a speed threshold; the bounded queue drops what cannot be sent
     caller = threading.Thread(target=lambda: [down.report(i, 1.0, 1.0, False) for i in range(500)])
@@ -141,29 +152,12 @@ def test_health_reports_are_posted_and_never_block():
     ([404, 204], 1, 0),        # a refusal is final: the run is not catalogued, sending again is pointless
 ])
 def test_health_reports_are_retried_on_server_errors_but_not_on_refusals(answers, tries, sent):
-    seen: list[dict] = []
-    queue_ = list(answers)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(queue_.pop(0) if queue_ else 204)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        rep = HealthReporter(f"http://127.0.0.1:{srv.server_port}", "run1", None)
+    with _health_server(answers) as (url, got):
+        rep = HealthReporter(url, "run1", None)
         rep.report(3, 1.5, None, False)
         assert rep.flush(timeout=30)
-        assert seen == [{"step": 3, "loss": 1.5, "grad_norm": None, "overflow": False}] * tries
+        assert [body for _, body, _ in got] == [{"step": 3, "loss": 1.5, "grad_norm": None, "overflow": False}] * tries
         assert (rep.sent, rep.failed) == (sent, 1 - sent)
-    finally:
-        srv.shutdown()
 
 
 # --- one rank (no msrun) ------------------------------------------------------------------------
