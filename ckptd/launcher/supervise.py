@@ -42,10 +42,10 @@ from ckptd.launcher.oracle import (
 #: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
 JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
 
-#: how far into a step a heartbeat phase is: of several stale ranks, the one furthest behind is the
-#: culprit (ranks blocked in a collective behind a hung peer have reported a later phase or step)
 #: how long to wait for msrun to log the exit code of a worker found dead
 REAP_WAIT = 5.0
+#: how far into a step a heartbeat phase is: the rank furthest behind is the culprit (ranks
+#: blocked in a collective behind a hung peer have reported a later phase or step)
 PHASE_ORDER = {"starting": 0, "train": 1, "compute": 2, "sync": 3, "save": 4, "finishing": 5}
 _WORKER_EXIT = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 
