@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def beat(phase: str) -> None:
         # An attempt's first step compiles the network and sets up the collectives: the launcher
-        # judges it by its start-up allowance ("starting"), not by the per-step heartbeat timeout.
-        hb.beat(step, "starting" if step == first else phase)
+        # judges it by its start-up allowance, not by the per-step heartbeat timeout.
+        hb.beat(step, phase, startup=step == first)
 
     while step < args.steps:
         step += 1

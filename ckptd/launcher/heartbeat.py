@@ -56,10 +56,14 @@ class Heartbeat:
         os.makedirs(hb_dir, exist_ok=True)
         self.hb_dir, self.rank, self.attempt = hb_dir, rank, attempt
 
-    def beat(self, step: int, phase: str) -> None:
-        write_json_fast(heartbeat_path(self.hb_dir, self.rank), {
-            "pid": os.getpid(), "rank": self.rank, "step": step, "phase": phase,
-            "time": time.time(), "attempt": self.attempt})
+    def beat(self, step: int, phase: str, startup: bool = False) -> None:
+        """``startup``: this step still sets the job up (compiles, opens collectives), so the
+        launcher judges it by its start-up allowance, as the ``starting`` phase."""
+        doc = {"pid": os.getpid(), "rank": self.rank, "step": step, "phase": phase, "time": time.time(),
+               "attempt": self.attempt}
+        if startup:
+            doc["startup"] = True
+        write_json_fast(heartbeat_path(self.hb_dir, self.rank), doc)
 
     def exited(self, code: int, step: int) -> None:
         write_json_fast(exit_path(self.hb_dir, self.rank), {"code": code, "step": step, "attempt": self.attempt})
@@ -91,9 +95,12 @@ class HealthReporter:
         except queue.Full:
             self.dropped += 1
 
-    def flush(self, timeout: float = 2.0) -> bool:
-        """At the end of training: give queued reports up to ``timeout`` s to go out (the last steps'
-        health would otherwise die with the process). Bounded, so a down ckptd costs at most that."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """At the end of training: give queued reports up to ``timeout`` s (default: one report's
+        tries and pauses) to go out (the last steps' health would otherwise die with the process).
+        Bounded, so a down ckptd costs at most that."""
+        if timeout is None:
+            timeout = (len(RETRY_PAUSES) + 1) * self.timeout + sum(RETRY_PAUSES)
         deadline = time.monotonic() + timeout
         while self.url and self.q.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -121,6 +128,7 @@ class HealthReporter:
                 self.sent += 1
                 return
             except urllib.error.HTTPError as exc:
+                exc.close()
                 if exc.code < 500:
                     break
             except Exception:  # noqa: BLE001, S110 -- ckptd down/slow: health is best effort by design

@@ -201,6 +201,9 @@ class Job:
                 dead.append((r, hb))
         if dead:
             codes = self._reaped_codes([int(hb["pid"]) for _, hb in dead])
+            # a rank that wrote its clean exit marker and exited after the markers were read above
+            dead = [(r, hb) for r, hb in dead if _read_json(exit_path(self.hb_dir, r)) is None]
+        if dead:
             by_pid = {int(hb["pid"]): (r, hb) for r, hb in dead}
             first = next((by_pid[pid] for pid in codes if pid in by_pid), None)  # msrun's log order
             r, hb = first or min(dead, key=lambda x: (x[1].get("step", 0), x[0]))
@@ -216,7 +219,8 @@ class Job:
                     return "failed", Failure(r, None, f"no heartbeat within {self.watch.startup_timeout:.0f}s of "
                                                       f"start (does the job write heartbeats into $CKPTD_HEARTBEAT_DIR?)")
                 continue
-            limit = self.watch.startup_timeout if hb.get("phase") == "starting" else self.watch.heartbeat_timeout
+            setting_up = hb.get("phase") == "starting" or hb.get("startup") is True
+            limit = self.watch.startup_timeout if setting_up else self.watch.heartbeat_timeout
             if now - float(hb["time"]) > limit:
                 stale.append((r, hb))
         if stale:

@@ -434,9 +434,13 @@ def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
         names = confine.listdir_beneath(root, out)
     except FileNotFoundError:
         return removed, refused, []
-    except (confine.ConfinementError, OSError):
+    except confine.ConfinementError:
         refused.append(f"{out}: outside the checkpoint root or reached through a symlink; "
                        "temp data of the abandoned conversion there was not removed")
+        return removed, refused, []
+    except OSError as err:
+        refused.append(f"{out}: cannot list it ({err.strerror or err}); temp data of the abandoned conversion "
+                       "there was not removed")
         return removed, refused, []
     name_re = re.compile(re.escape(tmp_prefix) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
     for name in names:
@@ -446,8 +450,13 @@ def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
         path = os.path.join(out, name)
         try:
             confine.rmtree_beneath(root, path)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another daemon on a shared root)
         except confine.ConfinementError:
             refused.append(f"{path}: not a directory (a symlink?); left alone")
+            continue
+        except OSError as err:  # never a reason for the daemon not to start
+            refused.append(f"{path}: cannot remove it ({err.strerror or err}); left alone")
             continue
         removed.append(path)
     return removed, refused, sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
