@@ -25,14 +25,22 @@ time.sleep(120)
 """
 
 
-def _watch(job: Job, timeout: float = 30) -> tuple[str, object]:
-    """Poll the launcher's judgement as its supervision loop does, until it is not "running"."""
-    deadline = time.time() + timeout
-    state, failure = job.check()
-    while state == "running" and time.time() < deadline:
-        time.sleep(0.05)
+def _judge(tmp_path, script: str, world: int, heartbeat_timeout: float) -> tuple[str, object]:
+    """Run ``script`` (it writes the ranks' heartbeats into argv[1]) as a job and poll the
+    launcher's judgement of it as its supervision loop does, until it is not "running"."""
+    hb_dir, log_dir = str(tmp_path / "hb"), str(tmp_path / "log")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    job = Job([sys.executable, "-c", script, hb_dir], env, world, hb_dir, log_dir,
+              Watch(heartbeat_timeout=heartbeat_timeout, startup_timeout=30.0))
+    try:
+        deadline = time.time() + 30
         state, failure = job.check()
-    return state, failure
+        while state == "running" and time.time() < deadline:
+            time.sleep(0.05)
+            state, failure = job.check()
+        return state, failure
+    finally:
+        job.stop()
 
 
 @pytest.mark.parametrize(("beats", "culprit"), [
@@ -50,7 +58,6 @@ def test_the_least_advanced_rank_is_the_culprit(beats, culprit):
 def test_a_rank_in_its_first_step_is_judged_by_the_start_up_allowance(tmp_path):
     """ckptd's trainer marks an attempt's first step (it compiles) ``startup``: silent longer than
     the heartbeat timeout there is not hung; the same silence in a later step is."""
-    hb_dir, log_dir = str(tmp_path / "hb"), str(tmp_path / "log")
     script = """
 import sys, time
 from ckptd.launcher.heartbeat import Heartbeat
@@ -59,26 +66,13 @@ time.sleep(2.5)
 Heartbeat(sys.argv[1], 0, 0).beat(5, "compute")
 time.sleep(120)
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    job = Job([sys.executable, "-c", script, hb_dir], env, 1, hb_dir, log_dir,
-              Watch(heartbeat_timeout=1.0, startup_timeout=30.0))
-    try:
-        state, failure = _watch(job)
-    finally:
-        job.stop()
+    state, failure = _judge(tmp_path, script, 1, heartbeat_timeout=1.0)
     # silent 2.5 s in its first step (timeout 1 s) and not failed there: failed in step 5
     assert state == "failed" and failure is not None and failure.step == 5, (state, failure)
 
 
 def test_a_rank_blocked_behind_a_hung_peer_is_not_blamed_for_it(tmp_path):
-    hb_dir, log_dir = str(tmp_path / "hb"), str(tmp_path / "log")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    job = Job([sys.executable, "-c", BLOCKED_BEHIND_A_HUNG_PEER, hb_dir], env, 2, hb_dir, log_dir,
-              Watch(heartbeat_timeout=3.0, startup_timeout=30.0))
-    try:
-        state, failure = _watch(job)
-    finally:
-        job.stop()
+    state, failure = _judge(tmp_path, BLOCKED_BEHIND_A_HUNG_PEER, 2, heartbeat_timeout=3.0)
     assert state == "failed" and failure is not None, (state, failure)
     assert failure.rank == 1 and failure.step == 5, failure
     assert "heartbeat stale" in failure.reason and "phase train of step 5" in failure.reason, failure.reason
