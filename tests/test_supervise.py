@@ -76,3 +76,18 @@ def test_a_rank_blocked_behind_a_hung_peer_is_not_blamed_for_it(tmp_path):
     assert state == "failed" and failure is not None, (state, failure)
     assert failure.rank == 1 and failure.step == 5, failure
     assert "heartbeat stale" in failure.reason and "phase train of step 5" in failure.reason, failure.reason
+
+
+def test_a_rank_that_still_beats_is_not_blamed_for_a_silent_one(tmp_path):
+    """Ranks not coupled every step (an evaluation rank, say): rank 1 is at an earlier step but
+    beats on; rank 0 went silent. Rank 0 is the one hung."""
+    script = """
+import sys, time
+from ckptd.launcher.heartbeat import Heartbeat
+Heartbeat(sys.argv[1], 0, 0).beat(5, "sync")
+while True:
+    Heartbeat(sys.argv[1], 1, 0).beat(3, "train")
+    time.sleep(0.1)
+"""
+    state, failure = _judge(tmp_path, script, 2, heartbeat_timeout=2.0)
+    assert state == "failed" and failure is not None and (failure.rank, failure.step) == (0, 5), (state, failure)

@@ -210,7 +210,7 @@ class Job:
             code = codes.get(int(hb["pid"]))
             why = _signal_name(code) if code is not None else "process vanished"
             return "failed", Failure(r, hb.get("step"), f"rank process died ({why}) in phase {hb.get('phase')}")
-        stale = []
+        stale, quiet = [], {}
         for r, hb in beats.items():
             if exits[r] is not None:
                 continue
@@ -221,15 +221,18 @@ class Job:
                 continue
             setting_up = hb.get("phase") == "starting" or hb.get("startup") is True
             limit = self.watch.startup_timeout if setting_up else self.watch.heartbeat_timeout
-            if now - float(hb["time"]) > limit:
+            silent_for = now - float(hb["time"])
+            if silent_for > limit:
                 stale.append((r, hb))
+            if silent_for > limit / 2:
+                quiet[r] = hb
         if stale:
             # A rank blocked in a collective goes silent behind the peer that really hung, and may go
-            # stale first (it beat last before the peer's last beat); the culprit is the rank that got
-            # least far, stale or not yet.
-            waiting = {r: hb for r, hb in beats.items() if hb is not None and exits[r] is None}
-            r, (silent, oldest) = least_advanced(waiting), min(stale, key=lambda x: float(x[1]["time"]))
-            hb = waiting[r]
+            # stale first (it beat last before the peer's last beat); the culprit is the quiet rank
+            # (silent half its timeout or more: stale or about to be) that got least far. A rank that
+            # still beats is making progress and is not blamed.
+            r, (silent, oldest) = least_advanced(quiet), min(stale, key=lambda x: float(x[1]["time"]))
+            hb = quiet[r]
             return "failed", Failure(r, hb.get("step"), f"heartbeat stale for {now - float(oldest['time']):.0f}s "
                                                         f"on rank {silent}; rank {r} got least far "
                                                         f"(hung in phase {hb.get('phase')} of step {hb.get('step')})")
