@@ -428,20 +428,17 @@ def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
     present in ``out``). Only a real directory named like ckptd's temp tree, in a directory reached
     beneath ``root`` without a symlink, removed through descriptors (:func:`confine.rmtree_beneath`:
     a symlink inside it is unlinked, never followed)."""
-    removed: list[str] = []
-    refused: list[str] = []
+    # An OSError is a refusal with its reason, never a reason for the daemon not to start.
     try:
         names = confine.listdir_beneath(root, out)
     except FileNotFoundError:
-        return removed, refused, []
-    except confine.ConfinementError:
-        refused.append(f"{out}: outside the checkpoint root or reached through a symlink; "
-                       "temp data of the abandoned conversion there was not removed")
-        return removed, refused, []
-    except OSError as err:
-        refused.append(f"{out}: cannot list it ({err.strerror or err}); temp data of the abandoned conversion "
-                       "there was not removed")
-        return removed, refused, []
+        return [], [], []
+    except (confine.ConfinementError, OSError) as err:
+        why = ("outside the checkpoint root or reached through a symlink" if isinstance(err, confine.ConfinementError)
+               else f"cannot list it ({err.strerror or err})")
+        return [], [f"{out}: {why}; temp data of the abandoned conversion there was not removed"], []
+    removed: list[str] = []
+    refused: list[str] = []
     name_re = re.compile(re.escape(tmp_prefix) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
     for name in names:
         m = name_re.fullmatch(name)
@@ -450,13 +447,11 @@ def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
         path = os.path.join(out, name)
         try:
             confine.rmtree_beneath(root, path)
+            removed.append(path)
         except FileNotFoundError:
-            continue  # removed meanwhile (another daemon on a shared root)
+            pass  # removed meanwhile (another daemon on a shared root)
         except confine.ConfinementError:
             refused.append(f"{path}: not a directory (a symlink?); left alone")
-            continue
-        except OSError as err:  # never a reason for the daemon not to start
+        except OSError as err:
             refused.append(f"{path}: cannot remove it ({err.strerror or err}); left alone")
-            continue
-        removed.append(path)
     return removed, refused, sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
