@@ -13,6 +13,7 @@ import time
 
 from sqlalchemy.orm import sessionmaker
 
+from ckptd import confine
 from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.db import make_engine, require_current_schema
 from ckptd.catalog.nodes import NodeView
@@ -20,7 +21,8 @@ from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
-from ckptd.service.jobs import JobRunner, recover_abandoned
+from ckptd.service.jobrunner import JobRunner
+from ckptd.service.jobs import recover_abandoned
 from ckptd.service.retention import finish_pending, gc
 from ckptd.service.verifier import Verifier
 from ckptd.settings import Settings
@@ -34,6 +36,7 @@ class Daemon:
         if not os.path.isdir(settings.root):
             raise CkptdError("checkpoint root is not a directory", path=str(settings.root), hint="create it or pass --root")
         self.settings = settings
+        confine.allow_hardlinks(settings.allow_hardlinks)  # process-wide: ckptd.confine refuses them by default
         self.engine = make_engine(settings.db)
         require_current_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -56,7 +59,7 @@ class Daemon:
         )
         # re-verification and conversions the API starts
         self.jobs = JobRunner(self.sessions, self.ingestor.examine_many, self.verifier.verify_shards,
-                              self.verifier.check_step, owner=self.nodes.owner)
+                              self.verifier.check_step, owner=self.nodes.owner, node=settings.node_name)
 
     def record_conversion(self, nbytes: int, seconds: float) -> None:
         """A conversion finished here: ``nbytes`` written (and verified) in ``seconds``."""
@@ -118,13 +121,14 @@ class Daemon:
                 period = idle_period
 
     def _gc_loop(self) -> None:
-        policy = RetentionPolicy(keep_last=self.settings.gc_keep_last, keep_every=self.settings.gc_keep_every)
+        policy = RetentionPolicy(keep_last=self.settings.gc_keep_last or None, keep_every=self.settings.gc_keep_every)
         while not self._stopping.wait(self.settings.gc_interval):
             try:
-                report = gc(self.sessions, str(self.settings.root), policy, owner=self.nodes.owner())
-                if report.deleted_steps or report.refused:
-                    log.info("retention: deleted %d steps (%d files); refused: %s",
-                             report.deleted_steps, report.deleted_files, report.refused)
+                report = gc(self.sessions, str(self.settings.root), policy, owner=self.nodes.owner(),
+                            torn_grace=self.settings.gc_torn_grace)
+                if report.deleted_steps or report.refused or report.torn_temps:
+                    log.info("retention: deleted %d steps (%d files), %d torn temp files; refused: %s",
+                             report.deleted_steps, report.deleted_files, len(report.torn_temps), report.refused)
             except Exception:
                 log.exception("background retention failed; will retry")
 

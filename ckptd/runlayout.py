@@ -27,11 +27,14 @@ A run is one directory under the root, in one of two layouts, told apart by the 
 
 ``<step>`` counts within the epoch (MindSpore's ``ModelCheckpoint``); the global step is in the
 file. MindFormers tags every rank's files ``{P}_rank_{r}`` and MindSpore appends ``_{k}`` to a
-prefix that already has files in the directory (the k-th restart into it); ``exception_save``
-writes ``..._breakpoint`` with the prefix *without* the restart suffix. So a step's identity
-across ranks is ``(P[_k], epoch, step)`` — the rank tag is dropped (:attr:`ShardName.prefix`), and
-``k`` is the incarnation (a breakpoint's ``_n`` is a same-name counter instead: its incarnation is
-unknown, see :func:`parse_shard_name`). A rank tag that names another rank than the directory is kept in the
+prefix that already has files in the directory (the k-th restart into it), in every layout;
+``exception_save`` writes ``..._breakpoint`` with the prefix *without* the restart suffix. So a
+step's identity across ranks is ``(P[_k], epoch, step)`` — the rank tag is dropped
+(:attr:`ShardName.prefix`), the restart suffix kept — and ``k`` is the incarnation, 0 for the first
+(a breakpoint's ``_n`` is a same-name counter instead: its incarnation is unknown). Without a rank
+tag a name cannot tell ``_k`` from a user prefix ending in digits: see
+:func:`ckptd.runnames.parse_shard_name`. Every number in a name is range-checked there
+(:mod:`ckptd.runnames`) before it reaches the catalog. A rank tag that names another rank than the directory is kept in the
 prefix: the file is misplaced and must not pass for that rank's shard.
 
 A Checkpoint 2.0 iteration is one step (prefix ``iteration``, epoch 0, step = the iteration); its
@@ -49,11 +52,27 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+# the name grammar and the bounds of every number in a name (re-exported: callers use runlayout)
+from ckptd.runnames import (  # noqa: F401
+    MAX_INCARNATION,
+    MAX_RANK,
+    MAX_STEP,
+    SHARD_SUFFIXES,
+    Role,
+    is_rank_strategy_name,
+    parse_iteration_dir,
+    parse_rank_dir,
+    parse_shard_name,
+    rank_strategy_rank,
+    read_iteration_file,
+    unusable_dir,
+    unusable_file_name,
+)
+
 Layout = Literal["native", "mindformers", "mindformers2"]
 NATIVE: Layout = "native"
 MINDFORMERS: Layout = "mindformers"
 CKPT2: Layout = "mindformers2"
-SHARD_SUFFIXES = (".ckpt", ".safetensors")
 SIDECAR_SUFFIX = ".done"
 MF_CHECKPOINT_DIR = "checkpoint"
 MF_AUX_DIRS = ("checkpoint_network", "checkpoint_trainable")  # weights-only copies, no training state
@@ -63,25 +82,11 @@ STRATEGY_DIR = "strategy"
 #: MindFormers' per-rank strategy file name: basename of strategy_ckpt_save_file, ``.ckpt`` -> ``_rank_<r>.ckpt``
 MF_STRATEGY_TEMPLATE = "ckpt_strategy_rank_{rank}.ckpt"
 CONVERTED_STRATEGY = "strategy.ckpt"  # a conversion's output strategy file
-_RANK_DIR = re.compile(r"^rank_(0|[1-9][0-9]*)$")
-_SHARD_NAME = re.compile(
-    r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)(?P<bp>_breakpoint)?\.(?P<ext>ckpt|safetensors)$")
-# greedy prefix: the *last* ``_rank_<r>`` is the tag ("a_rank_b_rank_0" has base "a_rank_b")
-_RANK_TAG = re.compile(r"^(?P<base>.+)_rank_(?P<rank>0|[1-9][0-9]*)(?:_(?P<k>[1-9][0-9]*))?$")
-# MindFormers names per-rank strategy files after strategy_ckpt_save_file, ".ckpt" -> "_rank_<r>.ckpt";
-# the greedy ".+" makes the *last* "_rank_<r>" the tag; merge_pipeline_strategys' output is not one
-_RANK_STRATEGY = re.compile(r"^(?!merged_).+_rank_(?P<rank>0|[1-9][0-9]*)\.(?:ckpt|json)$")
 _IN_FLIGHT = (".tmp", ".ckptd-tmp", ".part")
 MF2_TRACKER = "latest_checkpointed_iteration.txt"
 MF2_COMMON = "common.json"
 MF2_METADATA = "metadata.json"
 ITERATION_PREFIX = "iteration"  # the catalog prefix of Checkpoint 2.0 steps
-_ITERATION_DIR = re.compile(r"^iteration_(\d{8,})$")  # f"iteration_{it:08d}": more digits past 99,999,999
-_ITERATION_FILE = re.compile(
-    r"^(?:(?P<prefix>.+)-)?(?P<role>model|opt)-(?P<index>\d{7,})-(?P<total>\d{7,})\.safetensors$")
-Role = Literal["metadata", "common", "model", "opt"]
-MAX_RANK = 1 << 20  # far above any job (a 1M-rank directory is a planted name, not a rank)
-MAX_STEP = (1 << 63) - 1  # the catalog's BIGINT
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +99,8 @@ class ShardName:
     breakpoint: bool
     format: Literal["ckpt", "safetensors", "json"]
     layout: Layout = NATIVE
-    #: which restart wrote it (the ``_k`` after a rank tag; 0 = the first); None = not knowable from
-    #: the name (no rank tag: a user prefix may end in ``_<digits>`` by itself)
+    #: which restart wrote it, 0 = the first (the restart suffix ``_k``, see
+    #: :func:`~ckptd.runnames.parse_shard_name`); None = not knowable from the name (a breakpoint save)
     incarnation: int | None = None
     #: Checkpoint 2.0 only: which file of the iteration (``rank`` is then its :func:`iteration_slot`)
     role: Role | None = None
@@ -150,46 +155,27 @@ def is_in_flight(name: str) -> bool:
     return name.endswith(_IN_FLIGHT)
 
 
+#: what is left of a shard save's temp name without its temp suffix and extension: ``<prefix>-<e>_<s>``
+_TEMP_STEM = re.compile(r"^.+-\d+_\d+(?:_breakpoint)?$")
+
+
+def is_torn_temp_name(name: str) -> bool:
+    """A shard save's temp file (MindSpore's async writer: ``net-2_6.tmp``; also
+    ``<shard>.ckpt.tmp`` / ``.part``): what a rank killed mid-save leaves behind. ckptd's own
+    temp trees (``.ckptd-tmp``) have their own cleaner."""
+    for suffix in (".tmp", ".part"):
+        if name.endswith(suffix):
+            stem = name[:-len(suffix)]
+            for ext in SHARD_SUFFIXES:
+                stem = stem[:-len(ext)] if stem.endswith(ext) else stem
+            return _TEMP_STEM.match(stem) is not None
+    return False
+
+
 def unusable_name(name: str, layout: Layout = NATIVE) -> str | None:
     """Why a directory entry that looks like ours cannot be catalogued (None: nothing wrong);
     ``layout``: that of the directory holding it (Checkpoint 2.0 files are named otherwise)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return "the name is not valid UTF-8"
-    if layout == CKPT2:
-        if name.endswith(SHARD_SUFFIXES) and (m := _ITERATION_FILE.match(name)) is None:
-            return "not a Checkpoint 2.0 file name (<prefix>-model|opt-<i:07d>-<n:07d>.safetensors)"
-        if name.endswith(SHARD_SUFFIXES) and not int(m.group("index")) < int(m.group("total")) <= MAX_RANK:
-            return "the file number is not below the file count, or the count is beyond any job"
-        return None
-    if name.endswith(SHARD_SUFFIXES) and _SHARD_NAME.match(name) is None:
-        return "not a checkpoint name MindSpore writes (<prefix>-<epoch>_<step>.ckpt|.safetensors)"
-    m = _SHARD_NAME.match(name)
-    if m is not None and max(int(m.group("epoch")), int(m.group("step"))) > MAX_STEP:
-        return f"epoch or step beyond {MAX_STEP}"
-    return None
-
-
-def parse_shard_name(name: str, rank: int) -> tuple[str, int, int, bool, str, int | None] | None:
-    """``(prefix, epoch, step, breakpoint, format, incarnation)`` of a shard file name found in
-    ``rank``'s directory, or None when it is not a checkpoint name (see the module docstring).
-
-    A ``_breakpoint`` file's incarnation is None (unknown): ``exception_save`` names it with the
-    prefix *without* the restart suffix, and the ``_<n>`` after its rank tag is MindSpore's
-    same-name counter over earlier breakpoint files of that directory, not the restart
-    (``toy_rank_0_1-1_4_breakpoint.ckpt`` is the second breakpoint, written by any incarnation).
-    Its prefix keeps that counter, so two breakpoints of one position stay apart."""
-    m = _SHARD_NAME.match(name)
-    if m is None or max(int(m.group("epoch")), int(m.group("step"))) > MAX_STEP:
-        return None
-    prefix, incarnation, breakpoint = m.group("prefix"), None, bool(m.group("bp"))
-    tag = _RANK_TAG.match(prefix)
-    if tag is not None and int(tag.group("rank")) == rank:
-        k = int(tag.group("k") or 0)
-        prefix, incarnation = tag.group("base") + (f"_{k}" if k else ""), None if breakpoint else k
-    fmt = "ckpt" if m.group("ext") == "ckpt" else "safetensors"
-    return prefix, int(m.group("epoch")), int(m.group("step")), breakpoint, fmt, incarnation
+    return unusable_file_name(name, iteration=layout == CKPT2)
 
 
 def iteration_slot(role: Role, index: int = 0) -> int:
@@ -209,20 +195,12 @@ def parse_iteration_file(run: str, iteration: int, name: str) -> ShardName | Non
     if name in (MF2_COMMON, MF2_METADATA):
         role: Role = "common" if name == MF2_COMMON else "metadata"
         return ShardName(run, iteration_slot(role), ITERATION_PREFIX, 0, iteration, False, "json", CKPT2, None, role)
-    m = _ITERATION_FILE.match(name)
-    if m is None:
+    parsed = read_iteration_file(name)
+    if parsed is None:
         return None
-    index, total = int(m.group("index")), int(m.group("total"))
-    if not index < total <= MAX_RANK:
-        return None
-    side: Role = "model" if m.group("role") == "model" else "opt"
+    side, index, total = parsed
     return ShardName(run, iteration_slot(side, index), ITERATION_PREFIX, 0, iteration, False, "safetensors",
                      CKPT2, None, side, total)
-
-
-def parse_iteration_dir(name: str) -> int | None:
-    m = _ITERATION_DIR.match(name)
-    return int(m.group(1)) if m is not None and int(m.group(1)) <= MAX_STEP else None
 
 
 def classify(root: str, path: str) -> PathKind:
@@ -264,21 +242,11 @@ def strategy_name(parts: list[str]) -> StrategyName | None:
     if len(parts) == 2:
         return StrategyName(parts[0]) if "strategy" in name else None
     if len(parts) == 3 and parts[1] == STRATEGY_DIR:
-        return StrategyName(parts[0], rank_strategy_rank(name))
+        rank = rank_strategy_rank(name)
+        if rank is None and is_rank_strategy_name(name):
+            return None  # a per-rank name with a rank beyond any job: neither that rank's nor the run's
+        return StrategyName(parts[0], rank)
     return None
-
-
-def rank_strategy_rank(name: str) -> int | None:
-    """The rank of a per-rank strategy file name in ``strategy/`` (``<base>_rank_<r>.ckpt|json``;
-    None: not one, e.g. ``merged_ckpt_strategy*``, a run-wide file)."""
-    m = _RANK_STRATEGY.match(name)
-    return int(m.group("rank")) if m else None
-
-
-def parse_rank_dir(name: str) -> int | None:
-    """The rank of a ``rank_<r>`` directory name (None: not one, or beyond any job)."""
-    m = _RANK_DIR.match(name)
-    return int(m.group(1)) if m and int(m.group(1)) <= MAX_RANK else None
 
 
 def is_strategy_name(parts: list[str]) -> bool:
@@ -293,6 +261,22 @@ def resolves_inside(root: str, path: str) -> bool:
 
 def sidecar_for(shard_path: str) -> str:
     return shard_path + SIDECAR_SUFFIX
+
+
+#: a daemon's sharing marker in its root (a dot name: ingest and the watcher never look at it)
+NODE_MARKER_PREFIX = ".ckptd-node-"
+
+
+def node_marker_path(root: str, node: str) -> str:
+    """``<root>/.ckptd-node-<node>``: written by every daemon at start; proof that ``node`` watches
+    the directory it is found in (other nodes use it to tell a shared root, the launcher to tell
+    that ckptd sees the run directory it is about to train in)."""
+    return os.path.join(root, NODE_MARKER_PREFIX + node)
+
+
+def node_of_marker(name: str) -> str | None:
+    """The node a marker file name belongs to (None: not a marker)."""
+    return name[len(NODE_MARKER_PREFIX):] or None if name.startswith(NODE_MARKER_PREFIX) else None
 
 
 def run_dir(root: str, run: str) -> str:
@@ -384,27 +368,47 @@ def is_iteration_dir(root: str, path: str) -> bool:
 
 def iteration_dirs(run_path: str) -> dict[int, str]:
     """``checkpoint/iteration_<it>/`` directories of a run (real directories, no symlinks)."""
+    return _scan_iteration_dirs(run_path)[0]
+
+
+def _scan_iteration_dirs(run_path: str) -> tuple[dict[int, str], dict[str, str]]:
+    """``checkpoint/iteration_<it>/`` directories of a run, and those named so whose number is
+    beyond any step (path -> why: skipped)."""
     found: dict[int, str] = {}
+    refused: dict[str, str] = {}
     try:
         with os.scandir(os.path.join(run_path, MF_CHECKPOINT_DIR)) as it:
             for entry in it:
                 iteration = parse_iteration_dir(entry.name)
-                if iteration is not None and entry.is_dir(follow_symlinks=False):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                if iteration is not None:
                     found[iteration] = entry.path
+                elif (why := unusable_dir(entry.name)) is not None:
+                    refused[entry.path] = why
     except (FileNotFoundError, NotADirectoryError):
         pass
-    return found
+    return found, refused
 
 
-def shard_dirs(run_path: str) -> tuple[list[tuple[str, Layout]], dict[int, str]]:
-    """Every directory of a run that holds shards, with its layout (what a rescan lists), and
-    the run's ``rank_<r>`` entries that are symlinks (never followed: rescans skip them); one
-    layout detection and one listing."""
+@dataclass(frozen=True, slots=True)
+class RunDirs:
+    """What a rescan lists of one run (:func:`shard_dirs`)."""
+
+    shard_dirs: list[tuple[str, Layout]]  # every directory that holds shards, with its layout
+    linked: dict[int, str]  # ``rank_<r>`` entries that are symlinks: never followed
+    refused: dict[str, str]  # directories named like rank/iteration ones, beyond any job: path -> why
+
+
+def shard_dirs(run_path: str) -> RunDirs:
+    """The directories of a run a rescan lists (:class:`RunDirs`); one layout detection and one
+    listing."""
     layout = detect_layout(run_path)
     if layout == CKPT2:
-        return [(d, CKPT2) for _, d in sorted(iteration_dirs(run_path).items())], {}
-    dirs, links = _scan_rank_dirs(_rank_base(run_path, layout))
-    return [(d, layout) for d in dirs.values()], links
+        found, refused = _scan_iteration_dirs(run_path)
+        return RunDirs([(d, CKPT2) for _, d in sorted(found.items())], {}, refused)
+    dirs, links, refused = _scan_rank_dirs(_rank_base(run_path, layout))
+    return RunDirs([(d, layout) for d in dirs.values()], links, refused)
 
 
 def rank_dirs(run_path: str, layout: Layout | None = None) -> dict[int, str]:
@@ -421,22 +425,25 @@ def _rank_base(run_path: str, layout: Layout | None) -> str | None:
     return os.path.join(run_path, MF_CHECKPOINT_DIR) if layout == MINDFORMERS else run_path
 
 
-def _scan_rank_dirs(base: str | None) -> tuple[dict[int, str], dict[int, str]]:
-    """``rank_<r>`` entries of ``base``: (real directories, symlinks)."""
+def _scan_rank_dirs(base: str | None) -> tuple[dict[int, str], dict[int, str], dict[str, str]]:
+    """``rank_<r>`` entries of ``base``: (real directories, symlinks, directories named so whose
+    rank is beyond any job: path -> why)."""
     dirs: dict[int, str] = {}
     links: dict[int, str] = {}
+    refused: dict[str, str] = {}
     if base is None:
-        return dirs, links
+        return dirs, links, refused
     try:
         with os.scandir(base) as it:
             for entry in it:
                 rank = parse_rank_dir(entry.name)
                 if rank is None:
-                    continue
-                if entry.is_symlink():
+                    if entry.is_dir(follow_symlinks=False) and (why := unusable_dir(entry.name)) is not None:
+                        refused[entry.path] = why
+                elif entry.is_symlink():
                     links[rank] = entry.path
                 elif entry.is_dir(follow_symlinks=False):
                     dirs[rank] = entry.path
     except (FileNotFoundError, NotADirectoryError):
         pass
-    return dirs, links
+    return dirs, links, refused

@@ -13,6 +13,15 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckptd.errors import CkptdError
+from ckptd.format.atomic import TMP_SUFFIX
+from ckptd.runlayout import NODE_MARKER_PREFIX
+
+
+#: A node's sharing marker is the file ``<root>/.ckptd-node-<name>`` (runlayout.node_marker_path),
+#: written through the temp name ``<marker>.<pid>.ckptd-tmp`` (format.atomic; a pid has at most 7
+#: digits, pid_max <= 2**22): that must fit a file name (NAME_MAX, 255 bytes), so a node name has
+#: at most 225 characters (the pattern admits ASCII only: characters are bytes).
+NODE_NAME_MAX = 255 - len(NODE_MARKER_PREFIX) - len(".4194304") - len(TMP_SUFFIX)
 
 
 class ConfigError(CkptdError):
@@ -75,11 +84,16 @@ class Settings(BaseSettings):
         default_factory=dict, repr=False, description='bearer tokens: {"<token>": "read"|"report"|"admin"}'
     )
     token_file: Path | None = Field(default=None, description="lines '<scope> <token>'; scopes read, report, admin")
-    gc_keep_last: int | None = Field(default=None, ge=1, description="background retention: keep N restorable steps")
+    # on by default: restarts leave earlier incarnations' files (net-*, net_1-*, ...) that the job's
+    # own keep_checkpoint_max never rotates, and torn temp files of killed saves
+    gc_keep_last: int | None = Field(default=5, ge=0, description="background retention: keep the newest N restorable "
+                                                               "steps of every run, all incarnations (0: off)")
     gc_keep_every: int | None = Field(default=None, ge=1)
     gc_interval: float = Field(default=300.0, gt=0)
+    gc_torn_grace: float = Field(default=3600.0, gt=0, description="retention removes a shard save's temp file "
+                                                                  "(net-2_6.tmp) untouched this long (s)")
     node_name: str = Field(
-        default_factory=lambda: socket.gethostname() or "localhost", min_length=1, max_length=255,
+        default_factory=lambda: socket.gethostname() or "localhost", min_length=1, max_length=NODE_NAME_MAX,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
         description="this daemon's node (default: the host name); it owns the files it sees, see docs/ARCHITECTURE.md",
     )
@@ -89,6 +103,9 @@ class Settings(BaseSettings):
     heartbeat_interval: float = Field(default=10.0, gt=0, description="how often this daemon renews its heartbeat (s)")
     worker_stall_seconds: float = Field(
         default=300.0, gt=0, description="/healthz is unhealthy when a busy worker made no progress for this long (s)",
+    )
+    allow_hardlinks: bool = Field(
+        default=False, description="read files below the root that have more than one hard link (refused by default)",
     )
     scrub_interval: float = Field(
         default=0.0, ge=0,

@@ -26,6 +26,22 @@ def ms_save(ms, path, tensors, **kwargs):
     return path
 
 
+@pytest.fixture
+def root(tmp_path):
+    """An empty checkpoint root (what ``ckptd serve --root`` watches)."""
+    r = tmp_path / "root"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A directory outside the root: where a planted link points."""
+    o = tmp_path / "outside"
+    o.mkdir()
+    return o
+
+
 # --- catalog fixtures: every catalog test runs on embedded SQLite and on the real PostgreSQL ---
 
 PG_ADMIN_URL = os.environ.get("CKPTD_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

@@ -18,13 +18,6 @@ TOKENS = {"r-token": "read", "p-token": "report", "a-token": "admin"}
 
 
 @pytest.fixture
-def root(tmp_path):
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
-@pytest.fixture
 def server(root, catalog_url):
     settings = Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, tokens=TOKENS)
     with Server(settings) as srv:

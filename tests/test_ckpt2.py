@@ -111,13 +111,6 @@ def test_common_json_fields():
 # --- the daemon on real trees --------------------------------------------------------------------
 
 
-@pytest.fixture
-def root(tmp_path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
 def _states(url: str, run: str) -> dict[int, tuple[str, str | None]]:
     rows = query(url, "SELECT c.step, c.state, c.reason FROM checkpoints c JOIN runs r ON r.id = c.run_id "
                       "WHERE r.name = :run AND c.kind = 'trained'", run=run)

@@ -8,27 +8,12 @@ import os
 import stat
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from ckptd import confine
 from tests.daemon_helpers import (fast_settings, query, save_shard, save_tp_step, started_daemon, step_states, wait_for,
                                   write_tp_strategy)
-
-
-@pytest.fixture
-def root(tmp_path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
-@pytest.fixture
-def outside(tmp_path) -> Path:
-    o = tmp_path / "outside"
-    o.mkdir()
-    return o
 
 
 # --- the one function ------------------------------------------------------------------------------
@@ -152,7 +137,8 @@ def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, ca
     assert query(catalog_url, "SELECT r.name, c.expected_ranks, c.state FROM checkpoints c JOIN runs r ON r.id = c.run_id "
                               "ORDER BY r.name") == [("run", 2, "verified"), ("run2", 1, "verified")]
     assert "Traceback" not in caplog.text
-    assert caplog.text.count("not valid UTF-8") == 1 and caplog.text.count("beyond") == 1
+    assert caplog.text.count("not valid UTF-8") == 1 and caplog.text.count("beyond") == 2  # the file, the rank dir
+    assert caplog.text.count("rank 99999999999999999999 is beyond") == 1
 
 
 def test_a_step_waiting_for_a_file_ckptd_never_reads_says_why(ms, root, outside, catalog_url, caplog):

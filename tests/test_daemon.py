@@ -33,13 +33,6 @@ from tests.daemon_helpers import (
 
 
 @pytest.fixture
-def root(tmp_path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
-@pytest.fixture
 def daemon(root, catalog_url):
     d = Daemon(Settings(root=root, db=catalog_url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
     d.start()

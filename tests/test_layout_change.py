@@ -28,13 +28,6 @@ from tests.daemon_helpers import FULL_W, query, rank_tensors, save_shard, step_s
 RUN = "run1"
 
 
-@pytest.fixture
-def root(tmp_path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
 def _daemon(root: Path, url: str) -> Daemon:
     return Daemon(Settings(root=root, db=url, settle_seconds=0.2, rescan_interval=0.5, debounce=0.02))
 

@@ -21,3 +21,72 @@ def test_migrated_schema_matches_the_models(catalog_url):
     finally:
         engine.dispose()
     assert diff == [], "models and migrations disagree; add a migration revision:\n" + "\n".join(map(str, diff))
+
+
+def _alembic(engine):
+    import os
+
+    from alembic.config import Config
+
+    import ckptd.migrations
+
+    cfg = Config()
+    cfg.set_main_option("script_location", os.path.dirname(ckptd.migrations.__file__))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def test_0007_widens_name_numbers_and_fills_plain_incarnations(catalog_url):
+    """Down to 0006 and back: steps catalogued before 0007 (native incarnations NULL) get theirs
+    from the one rule; epochs beyond 32 bits fit after it, and a downgrade refuses to cut them."""
+    import pytest
+    from alembic import command
+    from sqlalchemy import text
+
+    from ckptd.catalog.db import CatalogError, current_revision
+
+    engine = make_engine(catalog_url)
+    try:
+        command.downgrade(_alembic(engine), "0006")
+        assert current_revision(engine) == "0006"
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO runs (id, name, path, layout, created_at) VALUES "
+                              "(1, 'plain', '/r/plain', NULL, CURRENT_TIMESTAMP), "
+                              "(2, 'mf', '/r/mf', 'mindformers', CURRENT_TIMESTAMP)"))
+            steps = [(1, "net", "trained"), (1, "net_1", "trained"), (1, "resnet_50_1", "trained"),
+                     (1, "toy_rank_3", "trained"), (1, "net", "breakpoint"), (2, "llama", "trained")]
+            for i, (run, prefix, kind) in enumerate(steps, start=1):
+                conn.execute(text("INSERT INTO checkpoints (id, run_id, prefix, epoch, step, kind, layout, state, "
+                                  "pinned, marked_bad, created_at, updated_at) VALUES (:id, :run, :prefix, 1, 5, "
+                                  ":kind, '', 'verified', false, false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                             {"id": i, "run": run, "prefix": prefix, "kind": kind})
+        command.upgrade(_alembic(engine), "head")
+        with engine.begin() as conn:
+            got = conn.execute(text("SELECT prefix, kind, incarnation FROM checkpoints ORDER BY id")).all()
+            assert [tuple(r) for r in got] == [
+                ("net", "trained", 0), ("net_1", "trained", 1), ("resnet_50_1", "trained", 51),
+                ("toy_rank_3", "trained", None),  # another rank's tag: a misplaced file, no incarnation
+                ("net", "breakpoint", None),  # a breakpoint's _n is no restart
+                ("llama", "trained", None)]  # not a native run: its names were read at ingest
+            conn.execute(text("UPDATE checkpoints SET epoch = :e, incarnation = :e WHERE id = 1"), {"e": 2**62})
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT epoch, incarnation FROM checkpoints WHERE id = 1")).one() == (2**62, 2**62)
+        if engine.dialect.name == "postgresql":  # SQLite's columns were never narrower
+            with pytest.raises(CatalogError, match="beyond 2147483647"):
+                command.downgrade(_alembic(engine), "0006")
+            assert current_revision(engine) == "0007"
+            with engine.connect() as conn:  # the refused downgrade changed nothing
+                assert conn.execute(text("SELECT epoch FROM checkpoints WHERE id = 1")).scalar() == 2**62
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE checkpoints SET epoch = 1, incarnation = 0 WHERE id = 1"))
+        command.downgrade(_alembic(engine), "0006")
+        command.upgrade(_alembic(engine), "head")
+        with engine.begin() as conn:
+            # the re-created trigger still bumps the run's generation on an incarnation change
+            before = conn.execute(text("SELECT generation FROM resume_generations WHERE run_id = 1")).scalar()
+            conn.execute(text("UPDATE checkpoints SET incarnation = 7 WHERE id = 2"))
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT generation FROM resume_generations WHERE run_id = 1")).scalar() > before
+    finally:
+        engine.dispose()
+    test_migrated_schema_matches_the_models(catalog_url)

@@ -20,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.catalog.db import make_engine
@@ -29,13 +28,6 @@ from ckptd.settings import Settings
 from tests.api_helpers import Server
 from tests.daemon_helpers import migrated_sqlite, query, started_daemon, wait_for
 from tests.mf_fixtures import MFJob, ckpt_name_re
-
-
-@pytest.fixture
-def root(tmp_path) -> Path:
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
 
 
 def _ckptd(root: Path, url: str, *args: str) -> subprocess.CompletedProcess:

@@ -14,11 +14,12 @@ ROOT = "/ckpt"
 @pytest.mark.parametrize(
     "rel, want",
     [
-        ("llama/rank_0/llama-1_100.ckpt", ShardName("llama", 0, "llama", 1, 100, False, "ckpt")),
-        ("llama/rank_12/llama_1-3_4200.ckpt", ShardName("llama", 12, "llama_1", 3, 4200, False, "ckpt")),
+        ("llama/rank_0/llama-1_100.ckpt", ShardName("llama", 0, "llama", 1, 100, False, "ckpt", incarnation=0)),
+        ("llama/rank_12/llama_1-3_4200.ckpt", ShardName("llama", 12, "llama_1", 3, 4200, False, "ckpt", incarnation=1)),
         ("llama/rank_3/net-2_50_breakpoint.ckpt", ShardName("llama", 3, "net", 2, 50, True, "ckpt")),
-        ("llama/rank_0/llama-1_100.safetensors", ShardName("llama", 0, "llama", 1, 100, False, "safetensors")),
-        ("a-b/rank_0/my-model-1_7.ckpt", ShardName("a-b", 0, "my-model", 1, 7, False, "ckpt")),
+        ("llama/rank_0/llama-1_100.safetensors",
+         ShardName("llama", 0, "llama", 1, 100, False, "safetensors", incarnation=0)),
+        ("a-b/rank_0/my-model-1_7.ckpt", ShardName("a-b", 0, "my-model", 1, 7, False, "ckpt", incarnation=0)),
         ("llama/rank_0/llama-1_100.tmp", None),  # MindSpore's in-flight file
         ("llama/rank_0/llama-1_100.ckpt.ckptd-tmp", None),
         ("llama/rank_0/llama-1_100.ckpt.done", None),  # sidecar: handled separately
@@ -53,6 +54,22 @@ def test_classify(rel, want):
         ("toy/checkpoint/rank_0/toy_rank_0_1-1_4_breakpoint.ckpt",
          ShardName("toy", 0, "toy_1", 1, 4, True, "ckpt", MINDFORMERS, None)),
         ("toy/rank_2/toy_rank_2_3-1_4_breakpoint.ckpt", ShardName("toy", 2, "toy_3", 1, 4, True, "ckpt", "native", None)),
+        # plain MindSpore (no rank tag): ModelCheckpoint's _k after the prefix, 0 for the first
+        ("run/rank_0/net-1_5.ckpt", ShardName("run", 0, "net", 1, 5, False, "ckpt", "native", 0)),
+        ("run/rank_0/net_1-1_5.ckpt", ShardName("run", 0, "net_1", 1, 5, False, "ckpt", "native", 1)),
+        ("run/rank_0/net_2-1_5.ckpt", ShardName("run", 0, "net_2", 1, 5, False, "ckpt", "native", 2)),
+        # a user prefix that does not end in _<k> is no restart
+        ("run/rank_0/llama_7b-1_5.ckpt", ShardName("run", 0, "llama_7b", 1, 5, False, "ckpt", "native", 0)),
+        ("run/rank_0/net_007-1_5.ckpt", ShardName("run", 0, "net_007", 1, 5, False, "ckpt", "native", 0)),
+        # one that does: the prefix (the step's identity) is kept whole; the suffixes add up, so the
+        # restart resnet_50_1 comes after resnet_50 whichever was the user's prefix
+        ("run/rank_0/resnet_50-1_5.ckpt", ShardName("run", 0, "resnet_50", 1, 5, False, "ckpt", "native", 50)),
+        ("run/rank_0/resnet_50_1-1_5.ckpt", ShardName("run", 0, "resnet_50_1", 1, 5, False, "ckpt", "native", 51)),
+        # beyond any restart count: part of the user's prefix (a date, a job id)
+        ("run/rank_0/exp_20240101-1_5.ckpt", ShardName("run", 0, "exp_20240101", 1, 5, False, "ckpt", "native", 0)),
+        ("run/rank_0/exp_20240101_1-1_5.ckpt", ShardName("run", 0, "exp_20240101_1", 1, 5, False, "ckpt", "native", 1)),
+        # another rank's tag: misplaced, kept apart by its whole prefix, no incarnation read
+        ("run/rank_0/toy_rank_3-1_5.ckpt", ShardName("run", 0, "toy_rank_3", 1, 5, False, "ckpt", "native", None)),
     ],
 )
 def test_classify_incarnation(rel, want):

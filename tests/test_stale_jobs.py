@@ -40,13 +40,6 @@ ROWS, COLS = 1024, 2048  # "w" per rank: 8 MiB of float32, so the output is writ
 
 
 @pytest.fixture
-def root(tmp_path):
-    r = tmp_path / "root"
-    r.mkdir()
-    return r
-
-
-@pytest.fixture
 def sessions(catalog_url):
     engine = make_engine(catalog_url)
     yield sessionmaker(engine, expire_on_commit=False)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI
 
 from ckptd import __version__
-from ckptd.api import deps, errors, guard, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
+from ckptd.api import deps, errors, guard, methods, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
 from ckptd.daemon import Daemon
 from ckptd.service.resume import ResumeCache
 from ckptd.settings import Settings
@@ -66,7 +66,11 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router,
                routes_nodes.router)
     # bodies: the token is checked before one is read, and its size capped per route
-    app.add_middleware(guard.RequestGuard, routes=[route for router in routers for route in router.routes])
+    declared = [route for router in routers for route in router.routes]
+    app.add_middleware(guard.RequestGuard, routes=declared)
+    # every method of a path for OPTIONS and 405's Allow (the docs routes are the app's own)
+    app.state.methods = methods.MethodTable([*app.routes, *declared])
+    app.add_middleware(methods.OptionsAnswer, table=app.state.methods)  # outermost: no body, no token
     for router in routers:
         app.include_router(router)
     return app

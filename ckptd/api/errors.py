@@ -1,4 +1,6 @@
-"""Errors → HTTP: every error answer is ``{"detail": {code, message, hint}}`` with a 4xx status.
+"""Errors → HTTP: every error answer is ``{"detail": {code, message, hint}}`` with a 4xx status,
+or 503 ``catalog_unavailable`` when the catalog cannot take the request (read-only, deleted, locked,
+unreachable: ``ckptd.catalog.db.catalog_problem`` says which, in words).
 
 Domain errors (``CkptdError``) map by code; request validation is 422; HTTP errors the framework
 raises itself (unknown path 404, wrong method 405) get the same body. ``responses(...)`` is what
@@ -14,7 +16,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, DBAPIError, DisconnectionError
+
+from ckptd.catalog.db import catalog_problem
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckptd.api.schemas import ErrorOut
@@ -22,9 +26,11 @@ from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd.api")
 
+CATALOG_HINT = "see /healthz and the daemon log; ckptd retries with a new connection on every request"
 STATUS = {"not_found": 404, "no_restorable_step": 404, "invalid_request": 400, "conflict": 409}
 _HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type"}
+               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+               503: "catalog_unavailable"}
 
 _WHAT = {
     400: "invalid request (detail.code invalid_request, or invalid_run_name for a run name outside the pattern)",
@@ -34,6 +40,8 @@ _WHAT = {
     409: "conflicts with the catalog's state (detail.code conflict)",
     413: "request body larger than this route accepts (detail.code payload_too_large)",
     422: "malformed body, path or query parameter (detail.code invalid_request; detail.message says which)",
+    503: "the catalog cannot take the request now: read-only, deleted, locked or unreachable (detail.code "
+         "catalog_unavailable; detail.message says which)",
 }
 
 
@@ -62,11 +70,14 @@ def install(app: FastAPI) -> None:
         return JSONResponse(body(exc.code, exc.message, exc.hint, **extra), status_code=STATUS.get(exc.code, 400))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail
         if not isinstance(detail, dict):  # the framework's own: "Not Found", "Method Not Allowed"
             detail = body(_HTTP_CODES.get(exc.status_code, "error"), str(detail))["detail"]
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # every method of the path, not only the first matching route's
+            headers = {**(headers or {}), "Allow": request.app.state.methods.allow_header(request.scope["path"])}
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -82,6 +93,18 @@ def install(app: FastAPI) -> None:
         log.warning("catalog refused a value from a request: %s", exc.orig)
         return JSONResponse(body("invalid_request", "a value does not fit the catalog", "see /docs for the bounds"),
                             status_code=400)
+
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(DisconnectionError)
+    async def _catalog(_: Request, exc: Exception) -> JSONResponse:
+        # the catalog deleted, read-only, locked or unreachable: the service's state, not the
+        # request's fault nor a bug. The words come from catalog_problem, never the SQL.
+        problem = catalog_problem(exc)
+        if problem is None:
+            return await _bug(_, exc)
+        log.error("catalog unavailable (%s): %s", problem, getattr(exc, "orig", exc))
+        return JSONResponse(body("catalog_unavailable", problem, CATALOG_HINT), status_code=503,
+                            headers={"Retry-After": "10"})
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - defensive

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from ckptd.api.deps import ReadScope, SessionDep
 from ckptd.api.errors import responses
+from ckptd.api.promtext import sample
 from ckptd.catalog import nodes
 from ckptd.service import catalog
 
@@ -28,12 +29,12 @@ def node_metric_lines(s: Session, timeout: float) -> list[str]:
              "# TYPE ckptd_node_shards gauge"]
     for node, states in sorted(nodes.shard_counts(s).items(), key=lambda kv: str(kv[0])):
         for state, n in sorted(states.items()):
-            lines.append(f'ckptd_node_shards{{node="{node or ""}",state="{state}"}} {n}')
+            lines.append(sample("ckptd_node_shards", n, node=node, state=state))
     lines += ["# HELP ckptd_node_heartbeat_age_seconds Seconds since each node's daemon last sent a heartbeat.",
               "# TYPE ckptd_node_heartbeat_age_seconds gauge",
               "# HELP ckptd_node_reachable 1 if the node's heartbeat is within node_timeout.",
               "# TYPE ckptd_node_reachable gauge"]
     for st in sorted(nodes.statuses(s, timeout).values(), key=lambda x: x.name):
-        lines.append(f'ckptd_node_heartbeat_age_seconds{{node="{st.name}"}} {st.seconds_since_heartbeat:.3f}')
-        lines.append(f'ckptd_node_reachable{{node="{st.name}"}} {int(st.reachable)}')
+        lines.append(sample("ckptd_node_heartbeat_age_seconds", f"{st.seconds_since_heartbeat:.3f}", node=st.name))
+        lines.append(sample("ckptd_node_reachable", int(st.reachable), node=st.name))
     return lines

@@ -14,7 +14,9 @@ from ckptd.api.routes_nodes import node_metric_lines
 from ckptd.api.deps import AdminScope, JobId, ReadScope, RunName, SessionDep
 from ckptd.api.errors import responses, text_route_responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
+from ckptd.api.promtext import sample
 from ckptd.api.schemas import GcOut, GcRequest, HealthzOut, JobOut
+from ckptd.catalog.db import probe
 from ckptd.catalog.models import Checkpoint, Run, Shard
 from ckptd.policy import RetentionPolicy
 from ckptd.service import jobs as jobs_svc
@@ -25,16 +27,20 @@ router = APIRouter(tags=["system"])
 
 
 @router.get("/healthz", response_model=HealthzOut,
-            responses={**responses(422), 503: {"model": HealthzOut, "description": "a worker made no progress for "
-                                                                                  "worker_stall_seconds"}})
-def healthz(request: Request, response: Response, s: SessionDep) -> dict[str, Any]:
-    s.execute(select(1))
+            responses={**responses(422), 503: {"model": HealthzOut, "description": "the catalog cannot take writes "
+                                                                                  "(status catalog_unavailable, catalog "
+                                                                                  "says why), or a worker made no "
+                                                                                  "progress for worker_stall_seconds "
+                                                                                  "(status stalled)"}})
+def healthz(request: Request, response: Response) -> dict[str, Any]:
     daemon = request.app.state.daemon
     watcher = daemon.watcher
+    catalog = probe(daemon.engine)  # a real read and a write started (rolled back), not SELECT 1
     stalled = {name: round(seconds, 3) for name, seconds in daemon.stalls().items()}
-    if stalled:
+    if catalog is not None or stalled:
         response.status_code = 503  # a load balancer / supervisor acts on the status, not the body
-    return {"status": "stalled" if stalled else "ok", "catalog": "ok", "first_rescan_done": watcher.ready.is_set(),
+    status = "catalog_unavailable" if catalog is not None else "stalled" if stalled else "ok"
+    return {"status": status, "catalog": catalog or "ok", "first_rescan_done": watcher.ready.is_set(),
             "rescans": watcher.rescans, "file_events": watcher.backend, "file_events_lost": watcher.events_lost,
             "stalled": stalled}
 
@@ -53,7 +59,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# TYPE ckptd_shards gauge",
     ]
     for state, n in s.execute(select(Shard.state, func.count()).group_by(Shard.state)).all():
-        lines.append(f'ckptd_shards{{state="{state}"}} {n}')
+        lines.append(sample("ckptd_shards", n, state=state))
     lines += [
         "# HELP ckptd_shards_verified_total Shards verified since start.",
         "# TYPE ckptd_shards_verified_total counter",
@@ -76,7 +82,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# HELP ckptd_verification_bytes_per_second Verification throughput of this node since start: bytes verified "
         "per second spent verifying (per worker; 0 before the first shard).",
         "# TYPE ckptd_verification_bytes_per_second gauge",
-        f'ckptd_verification_bytes_per_second{{node="{node}"}} {_rate(verifier.verified_bytes, verifier.verify_seconds)}',
+        sample("ckptd_verification_bytes_per_second", _rate(verifier.verified_bytes, verifier.verify_seconds), node=node),
         "# HELP ckptd_conversion_bytes_total Bytes written (and verified) by conversions on this node since start.",
         "# TYPE ckptd_conversion_bytes_total counter",
         f"ckptd_conversion_bytes_total {daemon.conversion_bytes}",
@@ -85,7 +91,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         f"ckptd_conversion_seconds_total {daemon.conversion_seconds:.6f}",
         "# HELP ckptd_conversion_bytes_per_second Conversion throughput of this node since start (0 before the first).",
         "# TYPE ckptd_conversion_bytes_per_second gauge",
-        f'ckptd_conversion_bytes_per_second{{node="{node}"}} {_rate(daemon.conversion_bytes, daemon.conversion_seconds)}',
+        sample("ckptd_conversion_bytes_per_second", _rate(daemon.conversion_bytes, daemon.conversion_seconds), node=node),
         "# HELP ckptd_recovery_point_seconds Seconds since each run's newest restorable step became restorable (RPO).",
         "# TYPE ckptd_recovery_point_seconds gauge",
     ]
@@ -98,7 +104,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
     ).all()
     for name, at in latest:
         at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
-        lines.append(f'ckptd_recovery_point_seconds{{run="{name}"}} {(now - at).total_seconds():.3f}')
+        lines.append(sample("ckptd_recovery_point_seconds", f"{(now - at).total_seconds():.3f}", run=name))
     lines += node_metric_lines(s, request.app.state.settings.node_timeout)
     lines.append(f"ckptd_up_seconds {time.monotonic() - request.app.state.started:.3f}")
     return "\n".join(lines) + "\n"
@@ -114,9 +120,25 @@ def get_job(job_id: JobId, s: SessionDep, _: ReadScope) -> dict[str, Any]:
     return jobs_svc.get_job(s, job_id)
 
 
+@router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut,
+             responses={**responses(401, 403, 404, 409, 413, 422),
+                        202: {"model": JobOut, "description": "the job is running: it stops at its next progress "
+                                                              "report (cancel_requested true; poll GET /v1/jobs/{id})"}},
+             openapi_extra=max_body(DEFAULT_MAX_BODY))
+def cancel_job(job_id: JobId, request: Request, response: Response, _: AdminScope) -> dict[str, Any]:
+    """Cancel a job of this daemon: a queued one at once (200, ``failed``); a running one at its
+    next progress report (202; a conversion's temp data is removed). 409: it has ended, or another
+    process runs it."""
+    doc = request.app.state.daemon.jobs.cancel(job_id)
+    if doc["cancel_requested"]:
+        response.status_code = 202
+    return doc
+
+
 @router.post("/v1/runs/{run}/gc", response_model=GcOut, tags=["runs"],
              responses=responses(400, 401, 403, 404, 413, 422), openapi_extra=max_body(DEFAULT_MAX_BODY))
 def run_gc(run: RunName, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     policy = RetentionPolicy(keep_last=body.keep_last, keep_every=body.keep_every)
     return gc(request.app.state.sessions, str(request.app.state.settings.root), policy,
-              run_name=run, dry_run=body.dry_run, owner=request.app.state.daemon.nodes.owner()).to_dict()
+              run_name=run, dry_run=body.dry_run, owner=request.app.state.daemon.nodes.owner(),
+              torn_grace=request.app.state.settings.gc_torn_grace).to_dict()

@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ckptd.convert.layouts import MAX_WORLD_SIZE
+
 #: bounds of what the catalog stores (steps BIGINT, ids and counts INTEGER on PostgreSQL)
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -92,6 +94,8 @@ class ResumeAnswer(BaseModel):
     world_size: int | None
     strategy_file: str | None
     strategy_hash: str | None
+    reason: str | None = Field(default=None, description="what the chosen step's checks could not prove although its "
+                                                         "files verified (\"layout unchecked: <why>\"); null normally")
     shards: list[ShardRef | SubsetShardRef | IterationFileRef] = Field(description="the file each rank loads (one verified shard per rank)")
     unreachable_nodes: list[str] = Field(description="nodes holding shards of this step whose daemon is silent: their "
                                                      "files were verified but cannot be seen now (exclude_unreachable=true "
@@ -174,6 +178,12 @@ class StepOut(_Out):
     kind: str
     global_step: int | None = Field(description="the training step the files record (what /steps/{step} and the "
                                                 "CLI take); null until a shard is verified")
+    training_step: int | None = Field(None, description="the step as users count training: global_step, else the "
+                                                        "one this step's verified shards hold (a torn save), else "
+                                                        "the file names' step in epoch 1; null: not known yet")
+    file_name_note: str | None = Field(None, description="how the file names count this step, where that differs "
+                                                         "from training_step (ModelCheckpoint and MindFormers count "
+                                                         "steps within the epoch)")
     state: str
     restorable: bool
     expected_ranks: int | None
@@ -231,11 +241,17 @@ class GcOut(_Out):
     deleted_steps: int
     deleted_files: int
     refused: list[str]
+    torn_temps: list[str] = Field(default_factory=list, description="temp files of saves that never finished, "
+                                                                   "untouched for gc_torn_grace: removed (dry run: "
+                                                                   "would be)")
 
 
 class HealthzOut(_Out):
-    status: str = Field(description="ok when the catalog answers and the workers make progress; stalled (HTTP 503) "
-                                    "when a verification worker or the ingest thread is stuck")
+    status: str = Field(description="ok when the catalog takes writes and the workers make progress; "
+                                    "catalog_unavailable (HTTP 503) when the catalog is read-only, gone, locked or "
+                                    "unreachable; stalled (HTTP 503) when a verification worker, the ingest thread "
+                                    "or the job thread is stuck")
+    catalog: str = Field(default="ok", description="ok, or why the catalog cannot take writes (in words)")
     stalled: dict[str, float] = Field(default_factory=dict, description="stuck threads: name -> seconds busy with one "
                                                                         "unit of work (past worker_stall_seconds)")
 
@@ -248,7 +264,10 @@ class ConversionRequest(BaseModel):
         {"required": ["to_strategy"], "properties": {"to_strategy": {"type": "string"}}},
     ]})
     step: StepNumber = Field(description="a verified step of the run")
-    to_layout: str | None = Field(default=None, max_length=200, pattern=r"^[a-z]+=[0-9]{1,6}(,[a-z]+=[0-9]{1,6})*$",
-                                  description="derive the target from the source strategy: tp=..,dp=..[,pp=..]")
+    # no pattern here: ckptd.convert.layouts.parse_layout_spec is the one grammar (the route applies
+    # it, so a bad value is 400 with what is wrong, as the job would have failed)
+    to_layout: str | None = Field(default=None, max_length=200,
+                                  description="derive the target from the source strategy: tp=N,dp=N[,pp=N] (positive "
+                                              f"integers, tp x dp x pp at most {MAX_WORLD_SIZE} ranks; otherwise 400)")
     to_strategy: Text | None = Field(default=None, max_length=4096,
                                      description="a strategy file inside the checkpoint root, or 'none'")

@@ -2,14 +2,18 @@
 
 Call order: ``make_engine(url)`` → ``upgrade(engine)`` (``ckptd db upgrade``) or
 ``require_current_schema(engine)`` (the daemon refuses to start otherwise) → ``Session(engine)``.
+``probe(engine)`` says whether the catalog takes writes now (``/healthz``); ``catalog_problem(err)``
+reads a database error as the catalog's state (the API answers those 503).
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
+from urllib.parse import quote
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, exc as sa_exc, inspect, text
 from sqlalchemy.engine import make_url
 
 from ckptd.errors import CkptdError
@@ -38,9 +42,14 @@ def make_engine(url: str | None = None) -> Engine:
         raise CatalogError(f"not a database URL: {url!r}", hint="use sqlite:///PATH or postgresql+psycopg://HOST/DB") from None
     if parsed.get_backend_name() == "sqlite":
         db_path = parsed.database
+        plain_file = bool(db_path) and db_path != ":memory:" and not db_path.startswith("file:") and not parsed.query
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        if plain_file:
+            engine = create_engine(url, creator=_sqlite_creator(os.path.abspath(db_path)))
+            _guard_sqlite_file(engine, os.path.abspath(db_path))
+        else:
+            engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001 - DBAPI objects
@@ -58,6 +67,108 @@ def make_engine(url: str | None = None) -> Engine:
             parsed = parsed.set(drivername="postgresql+psycopg")
         return create_engine(parsed, pool_pre_ping=True, pool_size=8, max_overflow=8)
     raise CatalogError(f"unsupported database {parsed.get_backend_name()!r}", hint="use SQLite or PostgreSQL")
+
+
+def _file_identity(path: str) -> tuple[int, int, bool] | None:
+    """(device, inode, writable by this process) of the catalog file, None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, os.access(path, os.W_OK)
+
+
+def _sqlite_creator(path: str):  # noqa: ANN202 - a DBAPI connection factory
+    """Connections to the catalog file. Only the first may create it (``ckptd db upgrade`` on a
+    new path): once it existed, a deleted catalog must be an error, not a new empty file that
+    half of the pool writes to while the other half writes to the deleted one."""
+    uri = f"file:{quote(path)}"
+    opened = [False]
+
+    def connect() -> sqlite3.Connection:
+        conn = sqlite3.connect(f"{uri}?mode={'rw' if opened[0] else 'rwc'}", uri=True, timeout=30,
+                               check_same_thread=False)
+        opened[0] = True
+        return conn
+
+    return connect
+
+
+def _guard_sqlite_file(engine: Engine, path: str) -> None:
+    """A pooled SQLite connection keeps the file it opened: after ``rm catalog.db`` its writes
+    land in the deleted inode and are lost without an error, and after ``chmod 0444`` (or the
+    immutable flag) it writes on. So a connection is used only while the path still names the
+    file it opened, as writable as it was: otherwise it is discarded and a new one opened (which
+    fails for a missing file, and takes no writes for one this process may not write, so writes
+    get a clear error)."""
+
+    @event.listens_for(engine, "connect")
+    def _remember(dbapi_conn, record) -> None:  # noqa: ANN001 - DBAPI objects
+        identity = record.info["ckptd_file"] = _file_identity(path)
+        if identity is not None and not identity[2]:
+            # SQLite may hand a new connection a read-write descriptor another connection left
+            # open on the same inode, and write through it: refuse writes here instead
+            dbapi_conn.execute("PRAGMA query_only = ON")
+
+    @event.listens_for(engine, "checkout")
+    def _still_the_same_file(_dbapi_conn, record, _proxy) -> None:  # noqa: ANN001
+        if _file_identity(path) != record.info.get("ckptd_file"):
+            raise sa_exc.DisconnectionError("the catalog file was deleted, replaced or changed its permissions")
+
+
+#: SQLite result codes (``sqlite_errorname``) and PostgreSQL SQLSTATEs that mean the catalog cannot
+#: serve the request now -- the operator's problem, never the request's or a bug
+_SQLITE_PROBLEMS = {
+    "SQLITE_READONLY": "the catalog is read-only", "SQLITE_CANTOPEN": "the catalog file is gone or cannot be opened",
+    "SQLITE_BUSY": "the catalog is locked by another writer", "SQLITE_LOCKED": "the catalog is locked by another writer",
+    "SQLITE_FULL": "the catalog's disk is full", "SQLITE_IOERR": "the catalog's disk failed (I/O error)",
+    "SQLITE_CORRUPT": "the catalog file is damaged", "SQLITE_NOTADB": "the catalog file is not a database",
+    "SQLITE_PERM": "the catalog file may not be written",
+}
+
+
+def catalog_problem(err: BaseException) -> str | None:
+    """What a database error says about the catalog, in words (never SQL): None when it is not
+    the catalog's state (a constraint, a bug). The one reading of such errors, for ``/healthz``
+    and the API's 503 answers."""
+    orig = getattr(err, "orig", err)
+    if isinstance(orig, sqlite3.Error):
+        name = getattr(orig, "sqlite_errorname", "") or ""
+        for prefix, words in _SQLITE_PROBLEMS.items():
+            if name.startswith(prefix):
+                return words
+        if "no such table" in str(orig):
+            return "the catalog file has no ckptd schema (was it replaced?)"
+        return "the catalog cannot be used" if isinstance(orig, sqlite3.OperationalError) else None
+    sqlstate = getattr(orig, "sqlstate", None) or ""
+    if sqlstate == "25006":
+        return "the catalog is read-only (a read-only database or a standby server)"
+    if sqlstate.startswith(("08", "57P")) or sqlstate == "53300":
+        return "the catalog server is unreachable or shutting down"
+    if sqlstate.startswith("53"):
+        return "the catalog server is out of resources (disk, memory or connections)"
+    if isinstance(err, (sa_exc.OperationalError, sa_exc.DisconnectionError)) or \
+            (isinstance(err, sa_exc.DBAPIError) and err.connection_invalidated):
+        return "the catalog server is unreachable"
+    return None
+
+
+def probe(engine: Engine) -> str | None:
+    """Why the catalog cannot take writes now, or None. A real check: it reads the schema version
+    and starts a write (an UPDATE of no row, rolled back) on a connection as the daemon's requests
+    get one, so a deleted, replaced, read-only or unreachable catalog is seen as such."""
+    try:
+        with engine.connect() as conn:
+            if conn.execute(text("SELECT version_num FROM alembic_version")).scalar() is None:
+                return "the catalog has no schema version"
+            conn.execute(text("UPDATE alembic_version SET version_num = version_num WHERE 1 = 0"))
+            conn.rollback()
+    except sa_exc.SQLAlchemyError as err:
+        problem = catalog_problem(err)
+        if problem is None:
+            raise
+        return problem
+    return None
 
 
 def _migrations_dir() -> str:

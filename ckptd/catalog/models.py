@@ -25,6 +25,12 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
+#: columns widened to 64 bits after their table was created (migration 0007): SQLite's INTEGER already holds
+#: 64 bits, and re-declaring the column there would mean a table rebuild that drops its triggers
+#: (migration 0002), so only PostgreSQL's columns were widened to BIGINT
+WideInteger = BigInteger().with_variant(Integer(), "sqlite")
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -85,15 +91,17 @@ class Checkpoint(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     prefix: Mapped[str] = mapped_column(String(255))
-    epoch: Mapped[int] = mapped_column(Integer)
-    step: Mapped[int] = mapped_column(BigInteger)  # step from the file name
+    # epoch and step from the file name: any number ckptd.runnames lets through fits (migration 0007)
+    epoch: Mapped[int] = mapped_column(WideInteger)
+    step: Mapped[int] = mapped_column(BigInteger)
     # trained | breakpoint | converted | superseded (history: shards an older layout left, see ckptd.states)
     kind: Mapped[str] = mapped_column(String(16), default="trained")
     # converted copies: the target strategy hash; superseded history: the old one
     layout: Mapped[str] = mapped_column(String(80), default="")
     global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
-    # which restart of the job wrote it (the ``_k`` of MindSpore's renamed prefix); NULL = names don't say
-    incarnation: Mapped[int | None] = mapped_column(Integer)
+    # which restart of the job wrote it (the ``_k`` of MindSpore's renamed prefix, 0 for the first;
+    # ckptd.runnames.parse_shard_name); NULL = names don't say (breakpoint saves, converted copies)
+    incarnation: Mapped[int | None] = mapped_column(WideInteger)
     # the job's own health record calls this step abnormal (MindFormers' health_ckpts.json): why
     health_reason: Mapped[str | None] = mapped_column(Text)
     # a step whole only as the union of its files: JSON {rank: [ranks whose files hold its slices]}

@@ -19,13 +19,13 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd import runlayout
 from ckptd.catalog.models import Node, Shard, as_utc
 from ckptd.catalog.repo import Owner, insert_ignore
 from ckptd.format.atomic import atomic_write
 
 log = logging.getLogger("ckptd.nodes")
 
-MARKER_PREFIX = ".ckptd-node-"  # a dot name: ingest and the watcher never look at it (runlayout.classify)
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,12 @@ def next_change(session: Session, timeout: float) -> datetime | None:
     return min(beats) + timedelta(seconds=timeout) if beats else None
 
 
-def marker_path(root: str, name: str) -> str:
-    return os.path.join(root, MARKER_PREFIX + name)
-
-
 def write_marker(root: str, name: str) -> None:
     """Leave this node's sharing marker in its root: another node that finds it in *its* root
     watches the same filesystem, so a file of ours it cannot see is really gone (``Owner.shared``).
     A read-only root gets none (this node is then never proven to share it): logged, not fatal."""
     try:
-        with atomic_write(marker_path(root, name), overwrite=True) as fh:
+        with atomic_write(runlayout.node_marker_path(root, name), overwrite=True) as fh:
             fh.write(f"ckptd node {name}\n".encode())
     except OSError as err:
         log.warning("cannot write the node marker in %s (%s): other nodes will not count this root as shared",
@@ -96,7 +92,7 @@ def sharing(root: str, names: set[str]) -> frozenset[str]:
     out = set()
     for name in names:
         try:
-            if stat_mod.S_ISREG(os.lstat(marker_path(root, name)).st_mode):
+            if stat_mod.S_ISREG(os.lstat(runlayout.node_marker_path(root, name)).st_mode):
                 out.add(name)
         except OSError:
             pass

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ckptd import confine
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
 from ckptd.settings import Settings
@@ -93,6 +94,7 @@ def catalog_sessions(args: argparse.Namespace):  # noqa: ANN202
 
     overrides = {k: getattr(args, k) for k in ("db", "root") if getattr(args, k, None)}
     settings = Settings(**overrides)
+    confine.allow_hardlinks(settings.allow_hardlinks)  # what the daemon applies, for commands that read the root
     engine = make_engine(settings.db)
     require_current_schema(engine)
     return settings, sessionmaker(engine, expire_on_commit=False)
@@ -161,7 +163,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _emit(args, runs, text)
         else:
             steps = catalog.list_steps(s, args.run, args.state)
-            rows = [(x["global_step"] if x["global_step"] is not None else x["step"], x["epoch"], x["step"],
+            rows = [("?" if x["training_step"] is None else x["training_step"], x["epoch"], x["step"],
                      "" if x["incarnation"] is None else x["incarnation"], x["kind"], x["state"],
                      "yes" if x["restorable"] else "no",
                      "bad" if x["marked_bad"] else ("pinned" if x["pinned"] else ""), (x["reason"] or "")[:80]) for x in steps]
@@ -177,7 +179,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     with sessions() as s:
         doc = catalog.show_step(s, args.run, args.step, settings.node_timeout)
     # steps are addressed by their global step; the file names' (epoch, step in epoch) is how it is named
-    step = doc["global_step"] if doc["global_step"] is not None else doc["step"]
+    step = "?" if doc["training_step"] is None else doc["training_step"]
     named = f"epoch {doc['epoch']}" + (f", file-name step {doc['step']}" if doc["step"] != step else "")
     head = (f"run {args.run} step {step} ({named}): {doc['state']}"
             f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}")
@@ -211,6 +213,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise
     lines = [f"resume run {doc['run']} at step {doc['step']} (epoch {doc['epoch']}, {len(doc['shards'])} shards)",
              f"strategy: {doc['strategy_file'] or '-'}"]
+    if doc.get("reason"):
+        lines.append(f"NOTE: {doc['reason']}")  # e.g. "layout unchecked: …": restorable, not fully proven
     if doc.get("incarnation"):
         lines.append(f"incarnation: {doc['incarnation']} (restart {doc['incarnation']} into the same directory)")
     if doc.get("unreachable_nodes"):
@@ -268,12 +272,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
     report = gc(sessions, str(settings.root), RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
-                run_name=args.run, dry_run=args.dry_run)
+                run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace)
     doc = report.to_dict()
     lines = []
     for plan in doc["runs"]:
         lines.append(f"run {plan['run']}: delete {plan['delete'] or 'nothing'}")
         lines += [f"  keep {step}: {why}" for step, why in plan["keep"].items()]
+    lines += [f"{'would remove' if args.dry_run else 'removed'} torn temp file {p}" for p in doc["torn_temps"]]
     if not args.dry_run:
         lines.append(f"deleted {doc['deleted_steps']} steps ({doc['deleted_files']} files)")
     lines += [f"REFUSED {x}" for x in doc["refused"]]

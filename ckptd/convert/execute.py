@@ -19,7 +19,10 @@ tensor or checkpoint sizes (:func:`~ckptd.convert.plan_types.estimate_peak`).
 
 Atomicity. Everything is written under ``OUT/.ckptd-convert-<host>-<pid>-<random>/rank_<r>/``;
 only after *every* planned rank is written, fsynced and verified are the rank directories renamed
-to ``OUT/rank_<r>`` and OUT fsynced. A failure removes the temp tree; a SIGKILL leaves only the
+to ``OUT/rank_<r>`` (``renameat2(RENAME_NOREPLACE)``) and OUT fsynced. Every file and directory
+is created, checked and renamed relative to a descriptor of OUT (the caller's, opened beneath the
+checkpoint root by :func:`ckptd.confine.open_dir_beneath`; or OUT as given), never by a path
+name: a directory swapped for a symlink mid-conversion cannot send a byte elsewhere. A failure removes the temp tree; a SIGKILL leaves only the
 hidden temp tree (removed by the next conversion into OUT on the same host) -- never an
 ``OUT/rank_<r>`` holding a partial or unverified file. Existing ``OUT/rank_<r>`` are never replaced.
 """
@@ -40,6 +43,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ckptd import confine
 from ckptd.convert.assemble import ArrayEnd, ArrayStart, BufferSet, Pipeline, Stopped, ValueItem
 from ckptd.convert.plan import ConversionPlan, ConvertError, RankPlan
 from ckptd.convert.sources import (  # re-exported: callers import them from here
@@ -52,7 +56,7 @@ from ckptd.convert.sources import (  # re-exported: callers import them from her
 )
 from ckptd.convert.verify import PieceCheck, check_index
 from ckptd.convert.writers import Band, CkptWriter, OutFile, SafetensorsWriter, Segments, safetensors_order
-from ckptd.format.atomic import fsync_dir
+from ckptd.errors import CkptdError
 from ckptd.format.crypto import EncMode, EncryptingWriter
 from ckptd.format.dtypes import STR_TYPE
 from ckptd.format.strategy import Strategy
@@ -65,6 +69,7 @@ __all__ = [
 OutFormat = Literal["ckpt", "safetensors"]
 Progress = Callable[[int, int], None]
 TMP_PREFIX = ".ckptd-convert-"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -159,42 +164,59 @@ def _write_rank(rp: RankPlan, pipeline: Pipeline, out: OutFile, out_format: OutF
     return written, values, checked
 
 
-def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_root: str, prefix: str, out_format: OutFormat,
+def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str, prefix: str, out_format: OutFormat,
                   out_key: bytes | None, abort: threading.Event, tick: Callable[[int], None],
                   buffer_sets: queue.Queue[BufferSet]) -> RankReport:
     t0 = time.monotonic()
-    rank_dir = os.path.join(tmp_root, f"rank_{rp.rank}")
-    os.mkdir(rank_dir, 0o700)
-    ext = "safetensors" if out_format == "safetensors" else "ckpt"
-    path = os.path.join(rank_dir, f"{prefix}{rp.rank}.{ext}")
-    order = safetensors_order(rp.tasks) if out_format == "safetensors" else list(rp.tasks)
-    buffers = buffer_sets.get()
-    out = pipeline = None
+    rank_name = f"rank_{rp.rank}"
+    os.mkdir(rank_name, 0o700, dir_fd=tmp_fd)
+    rank_fd = os.open(rank_name, _DIR_FLAGS, dir_fd=tmp_fd)
     try:
-        buffers.prepare(order)
-        out = OutFile(path)  # starts write-back as the file grows: the final fsync waits for the tail only
-        pipeline = Pipeline(rp.rank, order, sources, buffers, abort)
-        written, values, checked = _write_rank(rp, pipeline, out, out_format, out_key, tick)
-        out.finish()
-        checked += check_index(path, out_key, rp.tasks, written, values)
+        ext = "safetensors" if out_format == "safetensors" else "ckpt"
+        path = os.path.join(tmp_root, rank_name, f"{prefix}{rp.rank}.{ext}")  # names it in messages only
+        order = safetensors_order(rp.tasks) if out_format == "safetensors" else list(rp.tasks)
+        buffers = buffer_sets.get()
+        out = pipeline = None
+        try:
+            buffers.prepare(order)
+            out = OutFile(path, dir_fd=rank_fd)  # starts write-back as the file grows: the final fsync waits for the tail only
+            pipeline = Pipeline(rp.rank, order, sources, buffers, abort)
+            written, values, checked = _write_rank(rp, pipeline, out, out_format, out_key, tick)
+            out.finish()
+            checked += _check_written(out, path, out_key, rp, written, values)
+            size = os.fstat(out.fd).st_size
+        finally:
+            # threads first: nothing may touch the buffers once they are back in the set
+            if pipeline is not None:
+                pipeline.close()
+            if out is not None:
+                out.close()
+            buffer_sets.put(buffers)
+        os.fsync(rank_fd)
     finally:
-        # threads first: nothing may touch the buffers once they are back in the set
-        if pipeline is not None:
-            pipeline.close()
-        if out is not None:
-            out.close()
-        buffer_sets.put(buffers)
-    fsync_dir(rank_dir)
-    return RankReport(rp.rank, path, os.path.getsize(path), len(rp.tasks), checked, time.monotonic() - t0)
+        os.close(rank_fd)
+    return RankReport(rp.rank, path, size, len(rp.tasks), checked, time.monotonic() - t0)
+
+
+def _check_written(out: OutFile, path: str, out_key: bytes | None, rp: RankPlan, written: dict[str, Segments],
+                   values: dict[str, Any]) -> int:
+    """``check_index`` of the very file written (its descriptor, reopened read-only), errors naming ``path``."""
+    try:
+        return check_index(confine.proc_path(out.fd), out_key, rp.tasks, written, values)
+    except CkptdError as err:
+        if err.path is None or err.path.startswith("/proc/self/fd/"):
+            err.path = path
+            err.args = (str(err),)
+        raise
 
 
 # --- the whole conversion ------------------------------------------------------------------------
 
 
-def _clean_stale(out: str) -> None:
+def _clean_stale(out_fd: int) -> None:
     """Remove temp trees of dead converters of this host (a SIGKILLed run leaves its tree)."""
     host = socket.gethostname()
-    for name in os.listdir(out):
+    for name in os.listdir(out_fd):
         m = re.fullmatch(re.escape(TMP_PREFIX) + r"(.+)-(\d+)-[0-9a-f]+", name)
         if m is None or m.group(1) != host:
             continue
@@ -202,9 +224,15 @@ def _clean_stale(out: str) -> None:
             os.kill(int(m.group(2)), 0)
             continue  # still running
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+            shutil.rmtree(name, dir_fd=out_fd, ignore_errors=True)  # descriptor-based: never follows a link inside
         except PermissionError:
             continue
+
+
+def open_out_dir(out: str) -> int:
+    """OUT as the operator gave it, outside any checkpoint root (a symlink there is their choice)."""
+    os.makedirs(out, exist_ok=True)
+    return os.open(out, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
 
 
 def convert(
@@ -222,6 +250,7 @@ def convert(
     prefix: str = "checkpoint_",
     progress: Progress | None = None,
     plan: ConversionPlan | None = None,
+    out_fd: int | None = None,
 ) -> ConvertReport:
     """Re-shard the checkpoints of ``src_dir`` (``rank_<r>/`` directories, or a MindFormers output
     directory: :func:`find_source_files`) into ``out_dir/rank_<r>/<prefix><r>.<ext>``.
@@ -231,6 +260,8 @@ def convert(
     files is refused, with every disagreement, before ``out_dir`` is created. ``ranks`` converts only those destination ranks. ``progress(done, total)`` is
     called (from worker threads) with destination bytes produced so far. Raises
     :class:`ConvertError` (or another :class:`CkptdError`) with nothing renamed into ``out_dir``.
+    ``out_fd``: a descriptor of ``out_dir`` the caller opened (and closes): everything is written
+    relative to it (:func:`ckptd.confine.open_dir_beneath` below a checkpoint root).
     """
     t0 = time.monotonic()
     if out_format not in ("ckpt", "safetensors"):
@@ -246,14 +277,27 @@ def convert(
         if bad:
             raise ConvertError(f"string entries {bad} cannot be stored in safetensors", hint="use --format ckpt")
     out = os.path.abspath(os.fspath(out_dir))
-    os.makedirs(out, exist_ok=True)
-    taken = [f"rank_{r.rank}" for r in plan.ranks if os.path.lexists(os.path.join(out, f"rank_{r.rank}"))]
+    own_fd = out_fd is None
+    fd = open_out_dir(out) if out_fd is None else out_fd
+    try:
+        return _convert_into(plan, out, fd, key, out_key, out_format, prefix, workers, progress, t0)
+    finally:
+        if own_fd:
+            os.close(fd)
+
+
+def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None, out_key: bytes | None,
+                  out_format: OutFormat, prefix: str, workers: int | None, progress: Progress | None,
+                  t0: float) -> ConvertReport:
+    taken = [f"rank_{r.rank}" for r in plan.ranks if confine.exists_at(out_fd, f"rank_{r.rank}")]
     if taken:
         raise ConvertError(f"refusing to overwrite existing {taken}", path=out,
                            hint="choose an empty output directory or remove those rank directories")
-    _clean_stale(out)
-    tmp_root = os.path.join(out, f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp_root, 0o700)
+    _clean_stale(out_fd)
+    tmp_name = f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp_root = os.path.join(out, tmp_name)
+    os.mkdir(tmp_name, 0o700, dir_fd=out_fd)
+    tmp_fd = os.open(tmp_name, _DIR_FLAGS, dir_fd=out_fd)
     total = sum(r.bytes_out for r in plan.ranks)
     done = [0]
     lock = threading.Lock()
@@ -274,7 +318,7 @@ def convert(
     reports: list[RankReport] = []
     try:
         with ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="ckptd-convert") as pool:
-            futs = [pool.submit(_convert_rank, rp, sources, tmp_root, prefix, out_format, out_key, stop, tick,
+            futs = [pool.submit(_convert_rank, rp, sources, tmp_fd, tmp_root, prefix, out_format, out_key, stop, tick,
                                 buffer_sets)
                     for rp in plan.ranks]
             finished, _ = wait(futs, return_when=FIRST_EXCEPTION)
@@ -287,25 +331,27 @@ def convert(
             if errors:  # the cause, not the ranks it stopped
                 raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
             reports = [f.result() for f in futs]
-        fsync_dir(tmp_root)
+        os.fsync(tmp_fd)
         final = []
         for rep in reports:
-            src = os.path.join(tmp_root, f"rank_{rep.rank}")
-            dest = os.path.join(out, f"rank_{rep.rank}")
-            if os.path.lexists(dest):
-                raise ConvertError(f"{dest} appeared during the conversion; refusing to replace it", path=dest)
-            os.rename(src, dest)
+            name = f"rank_{rep.rank}"
+            dest = os.path.join(out, name)
+            try:
+                confine.rename_noreplace(tmp_fd, name, out_fd, name)
+            except FileExistsError:
+                raise ConvertError(f"{dest} appeared during the conversion; refusing to replace it", path=dest) from None
             final.append(RankReport(rep.rank, os.path.join(dest, os.path.basename(rep.path)), rep.bytes,
                                     rep.tensors, rep.pieces_verified, rep.seconds))
-        fsync_dir(out)
+        os.fsync(out_fd)
     except BaseException:
         stop.set()
         raise
     finally:
         sources.close()
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        os.close(tmp_fd)
+        shutil.rmtree(tmp_name, dir_fd=out_fd, ignore_errors=True)
         with contextlib.suppress(OSError):
-            fsync_dir(out)
+            os.fsync(out_fd)
     if progress is not None:
         progress(total, total)
     return ConvertReport(out, plan, tuple(final), time.monotonic() - t0, out_format, out_key is not None)

@@ -15,6 +15,7 @@ optimizer files.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -42,8 +43,7 @@ def iteration_source(it_dir: str) -> tuple[dict[int, tuple[str, ...]], Strategy 
             raise ConvertError("no Checkpoint 2.0 model or optimizer file in the iteration directory", path=it_dir)
         return {0: tuple(os.path.join(it_dir, n) for n in names)}, None
     root = os.path.dirname(it_dir)
-    doc = mf2.load_metadata_doc(confine.read_beneath(root, meta_path, mf2.MAX_METADATA_BYTES), meta_path)
-    meta = mf2.metadata_from_doc(doc, meta_path)
+    meta = mf2.parse_metadata(confine.read_beneath(root, meta_path, mf2.MAX_METADATA_BYTES), meta_path)
     files: dict[int, set[str]] = {}
     for p in meta.placements:
         files.setdefault(p.storage_rank, set()).add(p.file_name)
@@ -52,15 +52,13 @@ def iteration_source(it_dir: str) -> tuple[dict[int, tuple[str, ...]], Strategy 
         raise ConvertError(f"metadata.json names files that are not there: {missing[:5]}", path=it_dir,
                            hint="convert a verified iteration (ckptd convert --run R --step S checks this first)")
     return ({r: tuple(os.path.join(it_dir, n) for n in sorted(names)) for r, names in sorted(files.items())},
-            _strategy(doc, meta_path))
+            _strategy(meta.layouts, meta_path))
 
 
-def _strategy(doc: dict, path: str) -> Strategy | None:
+def _strategy(layouts: dict[str, str], path: str) -> Strategy | None:
     entries = []
-    for name, info in doc["state_dict_metadata"].items():
-        lay = info.get("layout") if isinstance(info, dict) else None
-        if not lay:
-            continue
+    for name, text in layouts.items():
+        lay = json.loads(text)  # mf2 wrote this text from the parsed file: one tensor's layout at a time
         try:
             dev = tuple(lay["device_matrix"])
             layout = TensorLayout(dev, lay["tensor_map"])

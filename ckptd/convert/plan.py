@@ -36,6 +36,7 @@ Rules (the same as ``mindspore.transform_checkpoints`` unless said otherwise):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ from ckptd.convert.plan_types import (  # re-exported: ckptd.convert.plan is whe
     estimate_peak,
 )
 from ckptd.errors import LayoutError
-from ckptd.format.dtypes import MS_DTYPES, STR_TYPE
+from ckptd.format.dtypes import MS_DTYPES, STR_TYPE, itemsize
 from ckptd.format.layout import Slice, TensorLayout, full_shape_from_local, local_shape, slice_for_rank
 from ckptd.format.strategy import Strategy
 
@@ -65,6 +66,13 @@ __all__ = [
 ]
 
 _MAX_LISTED = 12  # problems listed in one ConvertError
+
+#: The default bound on a conversion's output: this many times the bytes of its source step. A
+#: re-layout moves slices around (about 1x); more data-parallel replicas of unsharded parameters
+#: multiply them (dp=8 from dp=1: 8x); 64x is a 64-fold growth of the replicated part, far beyond
+#: any elastic restart, while a typo (dp=2000 of a 2-rank step: ~1,900x) is refused before it fills
+#: the disk and holds the job queue.
+MAX_OUTPUT_FACTOR = 64
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -136,10 +144,13 @@ def plan_conversion(
     *,
     ranks: Sequence[int] | None = None,
     subset: bool = False,
+    max_output_bytes: int | None = None,
 ) -> ConversionPlan:
     """Plan converting ``sources`` (laid out by ``src``; None = one unsharded file in rank 0) to
     ``dst`` (None = one unsharded file). ``ranks`` restricts the destination ranks planned;
     ``subset``: ranks may hold only part of their stage (see ``consistency.check_sources``).
+    ``max_output_bytes`` bounds what the destination ranks would hold (default
+    :data:`MAX_OUTPUT_FACTOR` times the sources' bytes), checked before any rank is planned.
 
     Raises :class:`ConvertError` listing every problem found.
     """
@@ -211,6 +222,10 @@ def plan_conversion(
     if problems:
         raise _fail(problems)
 
+    # --- bounded before a destination rank is planned: planning and writing cost per rank, so a
+    # typo such as dp=999999 would plan for ever (memory growing) and dp=2000 write 1,900x the step
+    _check_output_bytes(shards, psrc, nonlayout, holders, dst, dst_dev, ranks, max_output_bytes)
+
     # --- destination ranks ---
     if dst is None:
         all_ranks = [0]
@@ -250,6 +265,38 @@ def plan_conversion(
         dst_strategy_hash=dst.content_hash() if dst is not None else None,
         layout_params=tuple(psrc),
     )
+
+
+def _check_output_bytes(shards: Mapping[int, SourceShard], psrc: Mapping[str, _Source], nonlayout: Sequence[str],
+                        holders: Mapping[str, list[int]], dst: Strategy | None, dst_dev: int,
+                        ranks: Sequence[int] | None, limit: int | None) -> None:
+    """Refuse a conversion whose destination ranks would hold more than ``limit`` bytes. Costs a
+    pass over the parameters per destination *stage*, never per rank: every rank of a stage holds
+    equal slices (even splits), and entries outside the strategy are copied whole to every rank."""
+    source_bytes = sum(e.nbytes for s in shards.values() for e in s.entries)
+    basis = f" ({MAX_OUTPUT_FACTOR} x the source step's {source_bytes} bytes)" if limit is None else ""
+    limit = MAX_OUTPUT_FACTOR * source_bytes if limit is None else limit
+    whole = sum(shards[holders[n][0]].get(n).nbytes for n in nonlayout)  # type: ignore[union-attr]
+    if dst is None:
+        per_stage, counts = {0: sum(math.prod(p.full_shape) * itemsize(p.dtype) for p in psrc.values())}, {0: 1}
+    else:
+        per_stage = {}
+        for e in dst.entries:
+            p = psrc.get(e.name)
+            if p is not None:
+                numel = math.prod(p.full_shape) // max(1, math.prod(e.layout.split_counts))
+                per_stage[e.stage] = per_stage.get(e.stage, 0) + numel * itemsize(p.dtype)
+        stages = sorted({e.stage for e in dst.entries}) or [0]
+        wanted = None if ranks is None else set(ranks)
+        counts = {s: dst_dev if wanted is None else sum(1 for r in wanted if r // dst_dev == s) for s in stages}
+    total = sum(n * (per_stage.get(s, 0) + whole) for s, n in counts.items())
+    if total > limit:
+        raise ConvertError(
+            f"the conversion would write {total} bytes to {sum(counts.values())} destination ranks, more than its "
+            f"bound of {limit} bytes{basis}",
+            hint="check the target layout: every destination rank holds its own copy of each replicated "
+                 "parameter, so dp=N writes them N times; convert only the ranks needed if that is intended",
+        )
 
 
 def _locate(name: str, src: Strategy | None, shards: Mapping[int, SourceShard], have: set[int], src_dev: int,

@@ -75,9 +75,13 @@ class OutFile:
     with the mappings the assembler and verifier open and drop.)
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, dir_fd: int | None = None) -> None:
+        """A new file: ``path``, or with ``dir_fd`` the file named ``basename(path)`` in that
+        directory descriptor (``path`` then only names it in messages): the executor writes by
+        descriptor, so a directory swapped for a symlink cannot redirect it (``ckptd.confine``)."""
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(path if dir_fd is None else os.path.basename(path), flags, 0o644, dir_fd=dir_fd)
         self._small = bytearray()
         self._in_kernel = 0  # bytes handed to write(2)
         self._kicked = 0  # bytes whose write-back was started

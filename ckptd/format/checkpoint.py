@@ -170,7 +170,10 @@ def _format_of(head: bytes, size: int, path: str) -> tuple[Format, crypto.EncMod
         return "safetensors", None
     if head[0] == 0x0A:  # field 1, length-delimited: a Checkpoint record
         return "ckpt", None
-    raise UnknownFormatError(f"not a MindSpore checkpoint (starts with bytes {head[:8].hex(' ')})", path=path, offset=0)
+    # never the bytes themselves: the file may be another file's name (a planted link) and its
+    # first bytes would then end up in reasons, logs and API answers
+    raise UnknownFormatError("not a MindSpore checkpoint: expected a .ckpt record (first byte 0A), an encryption "
+                             "block magic or a safetensors header at the start", path=path, offset=0)
 
 
 def open_checkpoint(

@@ -237,10 +237,11 @@ def _bad_magic(magic: int, mode: EncMode, idx: int, off: int, path: str) -> NoRe
     other = _MODE_BY_MAGIC.get(magic)
     if idx == 0 and other is not None:
         raise ModeMismatchError(f"file is {other.value} encrypted but {mode.value} was requested", path=path, offset=off)
-    raw = struct.pack("<I", magic).hex(" ")
+    # what was expected, never the file's bytes (they may be another file's content: no echo)
     if idx == 0:
-        raise NotEncryptedError(f"file is not encrypted (it starts with {raw}, not a block magic)", path=path, offset=0)
-    got = other.value + " block magic" if other else f"bytes {raw}"
+        raise NotEncryptedError(f"file is not encrypted: expected a {mode.value} block magic at the start", path=path,
+                                offset=0)
+    got = other.value + " block magic" if other else "no block magic"
     raise CorruptError(f"block {idx}: expected a {mode.value} block header, found {got}", path=path, offset=off)
 
 

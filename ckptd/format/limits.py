@@ -17,7 +17,10 @@ nothing here reads settings.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from ckptd.errors import FormatError, StrategyError
 
@@ -69,6 +72,52 @@ MAX_STRATEGY_VALUES = 1 << 21  # 2,097,152
 #: Bytes of protobuf fields that ``mindspore.straspb`` does not define, summed over the file.
 #: MindSpore never writes any; a little slack lets a future MindSpore add a field, padding is refused.
 MAX_STRATEGY_UNKNOWN_BYTES = 1 << 20  # 1 MiB
+
+
+#: Nesting of any JSON ckptd reads from below the root (metadata.json, common.json, health_ckpts.json,
+#: JSON strategy files, safetensors headers that are not compact). MindFormers' metadata.json nests 6
+#: deep, the others 3-4; Python's parser recurses once per level, so ``[[[[...`` 100k deep raised
+#: RecursionError (a traceback at every rescan, the shard never judged) instead of a verdict.
+MAX_JSON_DEPTH = 64
+
+#: MindFormers Checkpoint 2.0 ``metadata.json``. Measured with MindFormers 2.1.0's own writer
+#: (``save_metadata_json`` over real ``mindspore.parallel.Layout`` objects, docs/FORMATS.md section 6):
+#: Llama-2-70B (80 layers, hidden 8192, ffn 28672, vocab 32000, GQA 8 kv heads) with Adam state on
+#: 256 ranks (tp 8, pp 4, dp 8): 19.0 MiB, 1,451 tensors, 8,213 slices, 93,248 storage records; the
+#: same model on 512 ranks (dp 16): 56.7 MiB (the records repeat every replica's rank group, so the file
+#: grows with dp squared). 64 MiB = 3.4x the 256-rank file and still holds the 512-rank one.
+MAX_METADATA_BYTES = 64 << 20
+#: Tensors ``metadata.json`` describes (the 70B save above: 1,451): as many as one checkpoint file may hold.
+MAX_METADATA_TENSORS = MAX_ENTRIES
+#: Slices (``chunk`` entries) plus storage records of one ``metadata.json`` (256 ranks: 101,461;
+#: 512 ranks: 202,922): each costs ~100 bytes once parsed, so ~50 MB at the limit.
+MAX_METADATA_ITEMS = 1 << 19  # 524,288
+#: One value ``metadata.json`` gives Python's JSON parser at a time (a tensor's description, a slice's
+#: records in a form other than MindFormers', a key ckptd does not know): real ones are ~1-3 KB, and the
+#: parser's objects cost up to ~26 times the text.
+MAX_METADATA_VALUE_BYTES = 1 << 20  # 1 MiB
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*+"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Does the JSON text ``raw`` nest deeper than ``limit`` (brackets outside strings)? Checked
+    before Python's parser sees the text, at C speed and in chunks (memory: one chunk of counters)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for at in range(0, len(brackets), _DEPTH_CHUNK):
+        piece = np.frombuffer(brackets, np.uint8, min(_DEPTH_CHUNK, len(brackets) - at), at)
+        # "[" 0x5b and "{" 0x7b open (+1), "]" 0x5d and "}" 0x7d close (-1): bit 2 tells them apart
+        levels = depth + np.cumsum(1 - ((piece >> 1) & 2).astype(np.int32))
+        if int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1])
+    return False
 
 
 @dataclass(frozen=True)

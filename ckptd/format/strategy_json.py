@@ -12,7 +12,13 @@ from typing import Mapping
 
 from ckptd.errors import LayoutError, StrategyError
 from ckptd.format.layout import local_shape
-from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
+from ckptd.format.limits import (
+    DEFAULT_STRATEGY_LIMITS,
+    MAX_JSON_DEPTH,
+    StrategyLimitError,
+    StrategyLimits,
+    json_too_deep,
+)
 from ckptd.format.strategy_types import OpItem, Strategy, assemble_strategy, checked_layout
 
 
@@ -46,6 +52,9 @@ def parse_json(data: bytes, where: str, limits: StrategyLimits = DEFAULT_STRATEG
     if values > limits.max_values:
         raise StrategyLimitError(f"{values} JSON separators and brackets: more than ckptd's limit of "
                                  f"{limits.max_values} values per strategy file", path=where)
+    if json_too_deep(data):  # Python's parser recurses once per level: bounded before it runs
+        raise StrategyError(f"invalid JSON: nests deeper than {MAX_JSON_DEPTH} levels", path=where,
+                            hint="MindSpore's JSON strategy files nest 4 levels: the file is damaged or was crafted")
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:

@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile, as_utc
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
-from ckptd.states import StepState
+from ckptd import stepname
+from ckptd.states import ShardState, StepState
 
 
 class NotFoundError(CkptdError):
@@ -93,10 +94,23 @@ def list_runs(s: Session) -> list[dict[str, Any]]:
     return [run_dict(s, r) for r in s.execute(select(Run).order_by(Run.name)).scalars()]
 
 
-def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[Shard] | None = None) -> dict[str, Any]:
+def shards_step_column():
+    """A step's global step, or for a step not checked as a whole yet (a torn save's surviving
+    shards) the one its verified shards hold: the subquery runs only where the step's own is NULL
+    (COALESCE evaluates lazily on SQLite and PostgreSQL)."""
+    return func.coalesce(Checkpoint.global_step, select(func.max(Shard.global_step)).where(
+        Shard.checkpoint_id == Checkpoint.id, Shard.state == ShardState.VERIFIED.value).scalar_subquery())
+
+
+def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[Shard] | None = None,
+              shards_step: int | None = None) -> dict[str, Any]:
+    users = stepname.users_step(c.global_step, shards_step, c.epoch, c.step)
     out: dict[str, Any] = {
         "step": c.step,
         "epoch": c.epoch,
+        # the step as users count training (the global step); "step" is the file names' number
+        "training_step": users,
+        "file_name_note": stepname.file_name_note(c.epoch, c.step, users),
         "incarnation": c.incarnation,
         "prefix": c.prefix,
         "kind": c.kind,
@@ -142,12 +156,12 @@ def list_steps(s: Session, run_name: str, state: str | None = None, limit: int =
         raise InvalidRequestError(
             f"unknown state {state!r}", hint="one of " + ", ".join(v.value for v in StepState)
         )
-    q = select(Checkpoint).where(Checkpoint.run_id == run.id)
+    q = select(Checkpoint, shards_step_column()).where(Checkpoint.run_id == run.id)
     if state:
         q = q.where(Checkpoint.state == state)
-    rows = s.execute(q.order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc()).limit(limit)).scalars().all()
-    paths = _strategy_paths(s, {c.strategy_id for c in rows if c.strategy_id})
-    return [step_dict(c, strategy_path=paths.get(c.strategy_id)) for c in rows]
+    rows = s.execute(q.order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc()).limit(limit)).all()
+    paths = _strategy_paths(s, {c.strategy_id for c, _ in rows if c.strategy_id})
+    return [step_dict(c, strategy_path=paths.get(c.strategy_id), shards_step=seen) for c, seen in rows]
 
 
 def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict[str, Any]:
@@ -158,7 +172,10 @@ def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict
     run = get_run(s, run_name)
     c = get_step(s, run, step)
     shards = s.execute(select(Shard).where(Shard.checkpoint_id == c.id)).scalars().all()
-    doc = step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards))
+    seen = max((sh.global_step for sh in shards if sh.global_step is not None and sh.state == ShardState.VERIFIED.value),
+               default=None)
+    doc = step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards),
+                    shards_step=seen)
     known = nodes.statuses(s, node_timeout)
     for sh in doc["shards"]:
         sh["reachable"] = known[sh["node"]].reachable if sh["node"] in known else None

@@ -5,7 +5,9 @@ atomically and verifies every slice) into ``<root>/<run>/converted/<step>-<targe
 place the watcher never mistakes for training shards — and records the result as a ``converted``
 checkpoint (``derived_from_id`` → the source step; target strategy registered) plus a
 ``conversion_jobs`` row holding both strategy hashes. The resume oracle then serves it to a job
-restarting on the target layout. The source step is leased while it is being read.
+restarting on the target layout. The source step is leased while it is being read. The copy is
+written through a descriptor of its output directory and catalogued from what was written
+(:mod:`ckptd.service.copies`: also when a lost copy is replaced and when an existing one blocks).
 
 Every conversion runs as a job (:mod:`ckptd.service.jobs`: the API's job, or one ``convert_step``
 records for ``ckptd convert --run``), which names the process running it and carries its
@@ -34,10 +36,10 @@ from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile, as_utc
 from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
-from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, load_strategy, parse_strategy_bytes, save_strategy
-from ckptd.service import jobs
+from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, encode_strategy, load_strategy, parse_strategy_bytes
+from ckptd.service import copies, jobs
 from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_step
-from ckptd.service.verifier import file_digest, stat_of
+from ckptd.service.verifier import stat_of
 from ckptd.states import ShardState, StepState
 
 CONVERT_LEASE = timedelta(hours=2)
@@ -180,17 +182,26 @@ def convert_step(
         target = resolve_target(src_strategy, to_strategy, to_layout, root)
         target_hash = target.content_hash() if target is not None else "none"
         out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
+        node = node or repo.LOCAL.node
         with sessions.begin() as s:
             reused = _intact_copy(s, src_id, target_hash, out)
             if reused is not None:  # converting the same step into the same layout again: it is done
                 return reused
-        if out_dir is None or runlayout.relative_parts(root, out) is not None:
-            # an output below the root is written only through real directories: a planted
-            # `converted -> /elsewhere` symlink must not redirect it (ckptd.confine)
-            confine.make_dirs_beneath(root, os.path.dirname(out))
+            blocked = copies.blocking_copy(s, meta, target_hash, node)  # a lost copy is replaced, a whole one kept
+        if blocked is not None:
+            raise InvalidRequestError(blocked, hint="a copy's files may be deleted with the step (ckptd gc) or by hand")
+        below_root = runlayout.relative_parts(root, out) is not None
+        if below_root:  # refused early (nothing created) when a component is a symlink
             confine.check_dir_beneath(root, out)
         sources = _confined_sources(stack, root, files)
         plan = plan_conversion(read_inventory(sources, key), src_strategy, target, subset=iteration)
+        # the whole copy is written through this descriptor (ckptd.service.copies, ckptd.confine)
+        out_fd = copies.open_output(root, out)
+        stack.callback(os.close, out_fd)
+        strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
+        strategy_bytes = encode_strategy(target, "proto") if target is not None else None  # strategy.ckpt: protobuf
+        if target is not None:
+            copies.check_strategy_slot(out_fd, strategy_path, strategy_bytes)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
                                 target_strategy_hash=target_hash, out_dir=out, state="running")
@@ -205,15 +216,22 @@ def convert_step(
             jobs.link_conversion(s, job_id, conv_id)  # with the row: never a conversion without its owner
         if own_job is not None:
             heartbeat.add(own_job)
+        report = wrote_strategy = None
         try:
             report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
-                             workers=workers, progress=progress)
-            strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
-            if target is not None and not os.path.exists(strategy_path):
-                save_strategy(target, strategy_path)
-            derived = _register(sessions, meta, src_id, target, target_hash, strategy_path, report,
-                                node or repo.LOCAL.node)
+                             workers=workers, progress=progress, out_fd=out_fd)
+            if target is not None:
+                wrote_strategy = copies.write_strategy(out_fd, strategy_path, strategy_bytes)
+            if below_root and not confine.same_dir(root, out, out_fd):
+                raise confine.ConfinementError("the output directory was moved or replaced during the conversion; "
+                                               "the copy is not catalogued", path=out,
+                                               hint="something else writes there: find out what before converting again")
+            derived = copies.register(sessions, meta, src_id, target, target_hash,
+                                      (strategy_path, strategy_bytes) if target is not None else None,
+                                      copies.written_files(root, out, report), report.out_format, report.encrypted, node)
         except BaseException as exc:
+            if report is not None:  # written but not catalogued: nothing that looks like a finished copy stays
+                copies.discard(out_fd, report, os.path.basename(strategy_path) if wrote_strategy else None)
             error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
             with sessions.begin() as s:
                 row = s.get(ConversionJob, conv_id)
@@ -257,35 +275,6 @@ def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[st
     if not shards or any(stat_of(p) != repo.FileStat(size, mtime, inode) for p, size, mtime, inode in shards):
         return None  # changed or gone: converting again will say what is in the way
     return conversion_dict(job, s) | {"reused": True}
-
-
-def _register(sessions, meta, src_id, target, target_hash, strategy_path, report, node: str) -> int:  # noqa: ANN001
-    """Catalogue the copy; its files are on the disk of ``node``, the node that wrote them."""
-    run_id, prefix, epoch, step, global_step = meta
-    now = datetime.now(timezone.utc)
-    with sessions.begin() as s:
-        strat_id = None
-        if strategy_path is not None:
-            run = s.get(repo.Run, run_id)
-            with open(strategy_path, "rb") as fh:
-                content = fh.read()
-            strat_id = repo.upsert_strategy(s, run, strategy_path, target_hash, target.format, target.world_size,
-                                            target.stages, None, content).id
-        ckpt = Checkpoint(run_id=run_id, prefix=prefix, epoch=epoch, step=step, kind="converted", layout=target_hash,
-                          global_step=global_step, state=StepState.VERIFIED.value,
-                          expected_ranks=target.world_size if target is not None else 1, strategy_id=strat_id, step_checks_ok=True,
-                          derived_from_id=src_id, pinned=False, marked_bad=False, created_at=now, updated_at=now)
-        s.add(ckpt)
-        s.flush()
-        for rank in report.ranks:
-            st = stat_of(rank.path)
-            s.add(Shard(checkpoint_id=ckpt.id, rank=rank.rank, path=rank.path, size=st.size, mtime_ns=st.mtime_ns,
-                        inode=st.inode, digest=file_digest(rank.path), state=ShardState.VERIFIED.value,
-                        format=report.out_format, encryption="AES-GCM" if report.encrypted else None,
-                        crc="valid" if not report.encrypted else "absent", global_step=global_step,
-                        quarantined=False, verified_at=now, seen_at=now, node=node))
-        repo.add_event(s, ckpt.id, None, "step", "ok", f"converted from checkpoint {src_id}; every slice re-read and verified")
-        return ckpt.id
 
 
 def conversion_dict(row: ConversionJob, s: Session) -> dict[str, Any]:

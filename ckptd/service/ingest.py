@@ -97,11 +97,13 @@ class Ingestor:
         for run in runs:
             run_path = os.path.join(self.root, run)
             self.examine_many(self._strategy_candidates(run_path))  # per-rank strategy files: one merge
-            shard_dirs, linked = runlayout.shard_dirs(run_path)
-            for rank, link in linked.items():
+            listed = runlayout.shard_dirs(run_path)
+            for rank, link in listed.linked.items():
                 self.note_ignored(link, "a rank directory that is a symlink: never followed, nothing in it is catalogued")
                 replaced.note_linked_rank_dir(self.sessions, run, rank, link)
-            for shard_dir, layout in shard_dirs:
+            for path, why in listed.refused.items():
+                self.note_ignored(path, f"directory skipped: {why}")
+            for shard_dir, layout in listed.shard_dirs:
                 with os.scandir(shard_dir) as it:
                     for entry in it:
                         if should_stop():

@@ -1,9 +1,10 @@
 """Background jobs with progress stored in the catalog (``jobs`` table): re-verification, conversions.
 
-Call order: ``JobRunner(sessions, examine_many, verify_shards, check_step)`` → ``start_verify(...)``
-returns the job immediately → poll ``get_job`` → ``close()``. The verification itself runs
-synchronously, a chunk of shards at a time, on the runner's own thread (one job at a time: jobs
-must not starve live ingest).
+Call order: ``JobRunner(sessions, examine_many, verify_shards, check_step)``
+(:mod:`ckptd.service.jobrunner`) → ``start_verify(...)`` returns the job immediately → poll
+``get_job`` → ``close()``. The verification itself runs synchronously, a chunk of shards at a
+time, on the runner's own thread (one job at a time: jobs must not starve live ingest); a job is
+cancelled (``JobRunner.cancel``) at once while queued, at its next progress report while running.
 
 Ownership and liveness. A job row names the process that runs it, in ``params["ckptd"]["owner"]``
 (:func:`process_owner`: node, host, pid, the pid's start time, boot id and PID namespace), and
@@ -26,7 +27,7 @@ process is *gone* (:func:`owner_gone`):
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import contextvars
 import functools
 import json
@@ -34,8 +35,8 @@ import logging
 import os
 import socket
 import threading
-import time
 from datetime import datetime, timedelta, timezone
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from sqlalchemy import select, update
@@ -43,7 +44,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd.catalog import repo
 from ckptd.catalog.models import Checkpoint, Job, Run, Shard, as_utc
-from ckptd.errors import CkptdError
 from ckptd.service.catalog import NotFoundError, iso_time, get_run, get_step
 from ckptd.states import ShardState
 
@@ -276,6 +276,25 @@ def current_job() -> int | None:
     return _current_job.get()
 
 
+@contextlib.contextmanager
+def running_job(job_id: int) -> Iterator[None]:
+    """Mark ``job_id`` as the job whose work runs on this thread (:func:`current_job`)."""
+    token = _current_job.set(job_id)
+    try:
+        yield
+    finally:
+        _current_job.reset(token)
+
+
+def __getattr__(name: str) -> Any:
+    # JobRunner lives in ckptd.service.jobrunner (it imports this module); the old name still works
+    if name == "JobRunner":
+        from ckptd.service.jobrunner import JobRunner
+
+        return JobRunner
+    raise AttributeError(name)
+
+
 class Heartbeat:
     """Renews ``updated_at`` of the jobs it holds, while they are queued or running, every
     ``interval`` seconds from its own thread (see the module docstring)."""
@@ -354,146 +373,3 @@ def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: fl
 
     recover_conversions(sessions, root, report, now=now, sweep_earlier=at_start)
     return report
-
-
-class JobRunner:
-    """Runs jobs one at a time (they must not starve live ingest) on its own thread, ``ckptd-jobs``.
-
-    A job may wedge — a read on a hung file system, a catalog row another client keeps locked —
-    and must not wedge the service with it: :meth:`stalled` names the thread once the running job
-    reported no progress for a while (``/healthz`` answers 503), and :meth:`close` is bounded. The
-    thread is a daemon thread (a ThreadPoolExecutor's is joined at interpreter exit, forever)."""
-
-    THREAD = "ckptd-jobs"
-
-    def __init__(self, sessions: sessionmaker[Session], examine_many, verify_shards, check_step,  # noqa: ANN001
-                 *, node: str | None = None, heartbeat_interval: float = HEARTBEAT_INTERVAL,
-                 owner: Callable[[], repo.Owner] = lambda: repo.LOCAL, close_timeout: float = 10.0) -> None:
-        self.sessions = sessions
-        self._examine, self._verify, self._check_step = examine_many, verify_shards, check_step
-        self._nodes = owner  # this daemon's view of which files it may judge (catalog.nodes.NodeView.owner)
-        self.owner = process_owner(node)
-        self._heartbeat = Heartbeat(sessions, heartbeat_interval)
-        self._close_timeout = close_timeout
-        self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[int, Callable[[Callable[[int, int], None]], dict[str, Any]]]] = \
-            collections.deque()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._running: int | None = None  # the job on the thread, and when it last made progress
-        self._progress_at = 0.0
-
-    def start_verify(self, run_name: str, step: int | None) -> dict[str, Any]:
-        with self.sessions() as s:
-            _, shards = select_shards(s, run_name, step)
-
-        def work(progress: Callable[[int, int], None]) -> dict[str, Any]:
-            return reverify(self.sessions, self._examine, self._verify, self._check_step, shards, progress,
-                            owner=self._nodes)
-
-        return self.start("verify", run_name, {"run": run_name, "step": step}, len(shards), work)
-
-    def start(self, kind: str, run_name: str, params: dict[str, Any], total: int,
-              work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> dict[str, Any]:
-        """Record a queued job and run ``work(progress)`` on the runner thread."""
-        with self.sessions.begin() as s:
-            run = get_run(s, run_name)
-            doc = job_dict(record_job(s, kind, run.id, params, self.owner, total=total))
-        with self._cond:
-            closed = self._closed
-            if not closed:
-                self._heartbeat.add(doc["id"])  # queued jobs too: another daemon must see this process alive
-                self._queue.append((doc["id"], work))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name=self.THREAD, daemon=True)
-                    self._thread.start()
-                self._cond.notify_all()
-        if closed:
-            self._end(doc["id"], error=_CANCELLED)
-            doc |= {"state": "failed", "error": _CANCELLED}
-        return doc
-
-    def _set(self, job_id: int, **values: Any) -> None:
-        with self.sessions.begin() as s:
-            job = s.get(Job, job_id)
-            for k, v in values.items():
-                setattr(job, k, v)
-
-    def _end(self, job_id: int, *, state: str = "failed", **values: Any) -> None:
-        """Finish a job that is still queued or running: the first end wins (a job close() gave up
-        on may still finish later; it must not overwrite 'interrupted by shutdown')."""
-        with self.sessions.begin() as s:
-            s.execute(update(Job).where(Job.id == job_id, Job.state.in_(ACTIVE)).values(state=state, **values))
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                job_id, work = self._queue.popleft()
-                self._running, self._progress_at = job_id, time.monotonic()
-            try:
-                self._run(job_id, work)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._cond.notify_all()
-
-    def _progress(self, job_id: int, done: int, total: int) -> None:
-        with self._cond:
-            self._progress_at = time.monotonic()
-        self._set(job_id, done=done, total=total)
-
-    def _run(self, job_id: int, work: Callable[[Callable[[int, int], None]], dict[str, Any]]) -> None:
-        token = _current_job.set(job_id)
-        try:
-            self._set(job_id, state="running")
-            result = work(functools.partial(self._progress, job_id))
-            self._end(job_id, state="done", result=json.dumps(result, default=str))
-        except CkptdError as exc:
-            self._end(job_id, error=str(exc))
-        except Exception as exc:  # recorded on the job for the operator; the runner lives on
-            log.exception("job %s failed", job_id)
-            self._end(job_id, error=f"{exc.__class__.__name__}: {exc}")
-        finally:
-            _current_job.reset(token)
-            self._heartbeat.discard(job_id)
-
-    def stalled(self, seconds: float) -> dict[str, float]:
-        """The runner thread, if its job reported no progress for longer than ``seconds``."""
-        with self._cond:
-            age = time.monotonic() - self._progress_at
-            return {self.THREAD: age} if self._running is not None and age > seconds else {}
-
-    def close(self) -> None:
-        """Stop, in bounded time: queued jobs fail as cancelled; a job still running after
-        ``close_timeout`` fails as interrupted (its thread dies with the process; a restart's
-        :func:`recover_abandoned` fails its conversion and removes its temp data)."""
-        with self._cond:
-            self._closed = True
-            queued = [job_id for job_id, _ in self._queue]
-            self._queue.clear()
-            self._cond.notify_all()
-            thread = self._thread
-        for job_id in queued:  # queued behind the last job when ckptd stopped: it never ran
-            self._record_end(job_id, _CANCELLED)
-        if thread is not None:
-            thread.join(self._close_timeout)
-        with self._cond:
-            running = self._running
-        if running is not None:
-            log.warning("job %s still running after %g s of shutdown; stopping without it", running,
-                        self._close_timeout)
-            self._record_end(running, "interrupted by shutdown: ckptd stopped while the job ran")
-        self._heartbeat.close()
-
-    def _record_end(self, job_id: int, why: str) -> None:
-        try:
-            self._end(job_id, error=why)
-        except Exception:
-            log.warning("could not record job %s as ended (the next start fails it)", job_id, exc_info=True)
-
-
-_CANCELLED = "cancelled: ckptd stopped before the job ran"

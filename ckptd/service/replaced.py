@@ -39,6 +39,8 @@ def what_replaced(root: str, path: str) -> str | None:
         return None  # vanished: ingest's deletion handling owns that
     except confine.ConfinementError as err:
         mode = _lmode(path)
+        if mode is not None and stat.S_ISREG(mode) and _links(path) > 1:
+            return f"replaced: {err.message}"
         if mode is None or stat.S_ISREG(mode):
             return f"replaced: {err.message} (reached through a symlinked directory): not read"
         return f"replaced by a {confine.kind_of(mode)}: not read"
@@ -84,10 +86,19 @@ def _lmode(path: str) -> int | None:
         return None
 
 
+def _links(path: str) -> int:
+    try:
+        return os.lstat(path).st_nlink
+    except OSError:
+        return 0
+
+
 def _what_it_is(path: str) -> str:
     mode = _lmode(path)
     if mode is None:
         return "gone"
+    if stat.S_ISREG(mode) and _links(path) > 1:  # another name of a file anywhere (ckptd.confine)
+        return f"a file with {_links(path)} hard links"
     if stat.S_ISREG(mode):  # named inside the root, but reached through a symlinked directory
         return "a file reached through a symlinked directory"
     return f"a {confine.kind_of(mode)}"

@@ -22,13 +22,13 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from ckptd import confine, runlayout
+from ckptd import confine, runlayout, stepname
 from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile, as_utc
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
 from ckptd.service import tracker
-from ckptd.service.catalog import get_run
+from ckptd.service.catalog import get_run, shards_step_column
 from ckptd.states import ShardState
 
 RESUME_LEASE = timedelta(minutes=30)
@@ -36,7 +36,7 @@ RESUME_LEASE = timedelta(minutes=30)
 
 class NoRestorableStepError(CkptdError):
     code = "no_restorable_step"
-    default_hint = "nothing verified to resume from: start fresh only if that is intended (launcher --allow-fresh)"
+    default_hint = "nothing verified to resume from: start fresh only if that is intended (ckptd launch --allow-fresh-start)"
 
 
 @dataclass(frozen=True)
@@ -54,39 +54,30 @@ class ResumeOptions:
     node_timeout: float = 120.0
 
 
-def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None, *,
-               in_epoch_names: bool = False) -> list[StepInfo]:
+def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
     """The run's trained steps, newest first (plain column rows: this is the oracle's hot path).
     Only ``trained`` rows: converted copies are served through their source step, and the history
-    rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps.
-    ``in_epoch_names``: the file names count steps within the epoch (MindFormers), so a step
-    whose global step is not known yet is also named by its file names."""
+    rows of re-saved steps (kind ``superseded``, see :mod:`ckptd.states`) are never steps. A step is
+    its global step (:mod:`ckptd.stepname`); where the file names count otherwise, that is said."""
     q = (
         select(Checkpoint.id, Checkpoint.epoch, Checkpoint.step, Checkpoint.incarnation, Checkpoint.global_step,
                Checkpoint.state, Checkpoint.reason, Checkpoint.marked_bad, Checkpoint.bad_reason, Checkpoint.pinned,
-               Checkpoint.lease_until, Checkpoint.health_reason)
+               Checkpoint.lease_until, Checkpoint.health_reason, shards_step_column())
         .where(Checkpoint.run_id == run_id, Checkpoint.kind == "trained")
         .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc(), Checkpoint.incarnation.desc())
     )
     if limit is not None:
         q = q.limit(limit)
-    return [
-        StepInfo(
-            id=cid,
-            step=gstep if gstep is not None else step,
-            state=state,
-            reason=reason,
-            marked_bad=bool(bad),
-            bad_reason=bad_reason,
-            pinned=bool(pinned),
-            in_use=lease is not None and as_utc(lease) > now,
-            health_reason=health,
-            position=(epoch, step, incarnation or 0),
-            named=(f"files named epoch {epoch} step {step}; the global step is read once they verify"
-                   if gstep is None and in_epoch_names else None),
-        )
-        for cid, epoch, step, incarnation, gstep, state, reason, bad, bad_reason, pinned, lease, health in s.execute(q).all()
-    ]
+    out = []
+    for cid, epoch, step, incarnation, gstep, state, reason, bad, bad_reason, pinned, lease, health, seen in \
+            s.execute(q).all():
+        users = stepname.users_step(gstep, seen, epoch, step)
+        out.append(StepInfo(id=cid, step=users if users is not None else step, state=state, reason=reason,
+                            marked_bad=bool(bad), bad_reason=bad_reason, pinned=bool(pinned),
+                            in_use=lease is not None and as_utc(lease) > now, health_reason=health,
+                            position=(epoch, step, incarnation or 0),
+                            named=stepname.file_name_note(epoch, step, users)))
+    return out
 
 
 _FIRST_BATCH = 64  # the answer is almost always among the newest few steps
@@ -115,12 +106,10 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     policy = ResumePolicy(max_step=opts.max_step, spike=spike)
     health = _health(s, run.id, opts.skip_spikes)
     dead = node_registry.unreachable(s, opts.node_timeout)
-    in_epoch = run.layout == runlayout.MINDFORMERS
-    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH, in_epoch_names=in_epoch), dead, opts)
+    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now, in_epoch_names=in_epoch), dead, opts),
-                                 health)
+        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
@@ -152,6 +141,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "world_size": ckpt.expected_ranks,
         "strategy_file": strategy_path,
         "strategy_hash": strategy.content_hash if strategy else None,
+        "reason": ckpt.reason,  # what the step's checks could not prove ("layout unchecked: …"), else null
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
@@ -163,7 +153,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
     if other_world or other_layout:
-        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash)
+        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash, os.path.dirname(run.path))
     return answer
 
 
@@ -254,9 +244,13 @@ def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, r
     return answer
 
 
-def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None) -> dict[str, Any]:
+def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None,
+                     root: str) -> dict[str, Any]:
     """Another target layout needs the checkpoint re-sharded; point at a ready copy if any — of
-    exactly that layout when the strategy hash is given, else the newest copy for that world size."""
+    exactly that layout when the strategy hash is given, else the newest copy for that world size.
+    A copy is ready while the daemon holds it verified (its rescan follows the files: a lost
+    copy becomes ``deleted`` and is not offered); its ``strategy_file`` is served like the
+    step's own (``_servable``: a regular file reached without symlinks, else null)."""
     q = select(Checkpoint).where(
         Checkpoint.derived_from_id == ckpt.id, Checkpoint.kind == "converted", Checkpoint.state == "verified")
     if strategy_hash is not None:
@@ -267,9 +261,11 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
     existing = None
     if copies:
         copy = copies[0]
-        paths = s.execute(select(Shard.rank, Shard.path).where(Shard.checkpoint_id == copy.id).order_by(Shard.rank)).all()
+        paths = s.execute(select(Shard.rank, Shard.path).where(
+            Shard.checkpoint_id == copy.id, Shard.state == ShardState.VERIFIED.value).order_by(Shard.rank)).all()
         strat = s.get(StrategyFile, copy.strategy_id) if copy.strategy_id else None
-        existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": strat.path if strat else None,
+        served = strat.path if strat and _servable(root, strat.path) else None
+        existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": served,
                     "strategy_hash": copy.layout}
     return {
         "needed": True,

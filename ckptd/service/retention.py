@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -41,6 +42,8 @@ class GcReport:
     deleted_steps: int = 0
     deleted_files: int = 0
     refused: list[str] = field(default_factory=list)
+    #: torn temp files (a save killed mid-write) removed -- or, in a dry run, that would be
+    torn_temps: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,6 +52,7 @@ class GcReport:
             "deleted_steps": self.deleted_steps,
             "deleted_files": self.deleted_files,
             "refused": self.refused,
+            "torn_temps": self.torn_temps,
         }
 
 
@@ -80,18 +84,58 @@ def _with_in_use(info):  # noqa: ANN001, ANN202 - tiny dataclass helper
 
 def gc(
     sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
-    owner: repo.Owner = repo.LOCAL,
+    owner: repo.Owner = repo.LOCAL, torn_grace: float | None = None,
 ) -> GcReport:
     """Apply ``policy``: plan and mark (phase 1, one transaction), then delete the files and rows
     (phases 2 and 3, :func:`finish_pending`; a process dying in between leaves the marks, which
-    the next gc or daemon start finishes)."""
+    the next gc or daemon start finishes). ``torn_grace``: also remove torn temp files untouched
+    for that many seconds (:func:`sweep_torn_temps`)."""
     report = GcReport(dry_run=dry_run)
     if not dry_run:
         finish_pending(sessions, root, report, owner)
     mark_for_deletion(sessions, policy, report, run_name=run_name)
     if not dry_run:
         finish_pending(sessions, root, report, owner)
+    if torn_grace is not None:
+        sweep_torn_temps(sessions, root, torn_grace, report, run_name=run_name)
     return report
+
+
+def sweep_torn_temps(sessions: sessionmaker[Session], root: str, grace: float, report: GcReport, *,
+                     run_name: str | None = None) -> None:
+    """Remove the temp files of saves that never finished (``<shard>.tmp`` of a rank killed while
+    MindSpore's async writer ran): no restart ever renames them, and ``keep_checkpoint_max`` only
+    rotates finished files of the current prefix. A temp file is torn once untouched for ``grace``
+    seconds (a writer at work keeps writing it); only shard-named ones inside a run's shard
+    directories, each removed through :mod:`ckptd.confine`, refusals reported."""
+    with sessions() as s:
+        q = select(Run.path)
+        if run_name is not None:
+            q = q.where(Run.name == run_name)
+        run_paths = s.execute(q).scalars().all()
+    before = time.time() - grace
+    for run_path in run_paths:
+        for d, _ in runlayout.shard_dirs(run_path).shard_dirs:
+            try:
+                names = confine.listdir_beneath(root, d)
+            except (OSError, confine.ConfinementError):
+                continue  # gone or replaced since it was listed: the next rescan judges it
+            for name in sorted(names):
+                if not runlayout.is_torn_temp_name(name):
+                    continue
+                path = os.path.join(d, name)
+                try:
+                    if report.dry_run:
+                        old = os.lstat(path).st_mtime < before
+                    else:
+                        old = confine.unlink_if_older_beneath(root, path, before)
+                except FileNotFoundError:
+                    continue
+                except confine.ConfinementError as err:
+                    report.refused.append(f"{path}: {err.message}; not deleted")
+                    continue
+                if old:
+                    report.torn_temps.append(path)
 
 
 def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, report: GcReport, *,

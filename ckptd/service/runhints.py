@@ -13,12 +13,17 @@ Files are read through :mod:`ckptd.confine` (no symlinks, no FIFOs or devices, b
 from __future__ import annotations
 
 import json
+import logging
 import os
+import zlib
 
 from ckptd import confine, runlayout
 from ckptd.catalog.models import Checkpoint, Run
+from ckptd.format.limits import MAX_JSON_DEPTH, json_too_deep
 
 MAX_HINT_BYTES = 16 << 20  # a health record is ~60 bytes per save
+log = logging.getLogger("ckptd.ingest")
+_ignored: dict[str, int] = {}  # path -> checksum of the content last logged as ignored (logged once)
 
 
 def read_health(root: str, path: str) -> dict[str, bool]:
@@ -27,15 +32,27 @@ def read_health(root: str, path: str) -> dict[str, bool]:
         raw = confine.read_beneath(root, path, MAX_HINT_BYTES)
     except (OSError, confine.ConfinementError):
         return {}
+    if json_too_deep(raw):  # MindFormers writes a flat list; Python's parser would recurse per level
+        _ignore(path, raw, f"nests deeper than {MAX_JSON_DEPTH} levels")
+        return {}
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return {}
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}  # torn: the next save rewrites it (see the module docstring)
     out: dict[str, bool] = {}
     for rec in doc if isinstance(doc, list) else []:
         if isinstance(rec, dict) and isinstance(rec.get("ckpt_name"), str) and rec.get("is_health") in (0, 1):
             out[os.path.basename(rec["ckpt_name"])] = rec["is_health"] == 1
     return out
+
+
+def _ignore(path: str, raw: bytes, why: str) -> None:
+    crc = zlib.crc32(raw)
+    if _ignored.get(path) != crc:  # once per content, not at every rescan
+        if len(_ignored) > 4096:
+            _ignored.clear()
+        _ignored[path] = crc
+        log.warning("health records %s ignored: %s", path, why)
 
 
 ABNORMAL_REASON = "health_ckpts.json: is_health=1 (MindFormers' health monitor flags this save as abnormal)"

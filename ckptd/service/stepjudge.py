@@ -33,6 +33,9 @@ from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, 
 from ckptd.settings import Settings
 from ckptd.states import ShardState, allows_subset
 
+#: how a step's reason starts when its files verified but no layout could be checked
+LAYOUT_UNCHECKED = "layout unchecked: "
+
 
 @dataclass(frozen=True)
 class _Row:
@@ -77,8 +80,15 @@ class StepJudge:
         self._strategies: dict[tuple[str, str], Strategy] = {}
 
     def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
-        if row is None or row.error:
+        found = self._read_strategy(row)
+        return found if isinstance(found, Strategy) else None
+
+    def _read_strategy(self, row: StrategyFile | None) -> Strategy | str | None:
+        """The strategy a row catalogues, or why it cannot be read (None: no row)."""
+        if row is None:
             return None
+        if row.error:
+            return row.error
         key = (row.path, row.content_hash)
         if key not in self._strategies:
             try:  # the content as catalogued: the file on disk may describe a newer layout by now
@@ -86,9 +96,28 @@ class StepJudge:
                 content = row.content if row.content is not None else \
                     confine.read_beneath(str(self.settings.root), row.path, MAX_STRATEGY_BYTES)
                 self._strategies[key] = parse_strategy_bytes(content, row.path)
-            except (CkptdError, OSError):
-                return None
+            except CkptdError as err:
+                return str(err)
+            except OSError as err:
+                return f"{row.path}: cannot read it: {err.strerror or err}"
         return self._strategies[key]
+
+    def unchecked_layout(self, s: Session, ckpt: Checkpoint) -> str | None:
+        """Why the step's shards cannot be checked against a layout although the run has a strategy
+        (``layout unchecked: <why>``), or None: checked, or the run has no strategy at all (a pure
+        data-parallel job writes none). The one rule for every way a strategy is unreadable (a
+        damaged file, a per-rank file that spoils the merge, a symlinked ``strategy/``): the files
+        verified, so the step stays restorable, and the reason says what was not proven
+        (docs/ARCHITECTURE.md, "Layout checks")."""
+        if ckpt.kind == "converted":
+            return None  # ckptd wrote it, with the strategy it bound the copy to
+        found = self._read_strategy(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
+        if isinstance(found, Strategy):
+            return None
+        run = s.get(Run, ckpt.run_id)
+        why = found or (_unusable_strategy(s, run) if run is not None and run.path else None) or \
+            (_refused_on_disk(str(self.settings.root), run.path) if run is not None and run.path else None)
+        return f"{LAYOUT_UNCHECKED}{why}" if why else None
 
     def facts_plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan | None:
         """How the verifier computes a shard's facts in its own pass over the file (each byte read
@@ -153,8 +182,8 @@ class StepJudge:
             rows = self._rows(s, ckpt_id)
             expected = ckpt.expected_ranks
             binding = (ckpt.strategy_id, ckpt.expected_ranks)
-            unusable = _unusable_strategy(s, ckpt) if ckpt.strategy_id is None else None
             plan = self._plan(s, ckpt)
+            unchecked = self.unchecked_layout(s, ckpt) if plan.strategy is None else None
         strategy, names, subset, stamp = plan.strategy, plan.names, plan.subset, plan.stamp
         t0 = time.perf_counter()
         refs = [ShardRef(r.rank, r.path) for r in rows]
@@ -189,10 +218,8 @@ class StepJudge:
             if distributed and len(facts) < len(now_rows):
                 return []  # the nodes holding the other files add theirs; the last one decides
             verdict = combine(refs, facts, expected, strategy, names, subset=subset)
-            problems = verdict.problems + ([f"the run's strategy files are unusable, so the shards cannot be checked "
-                                            f"against their layout: {unusable}"] if unusable else [])
-            self._store(s, ckpt, verdict, problems, time.perf_counter() - t0)
-        return problems
+            self._store(s, ckpt, verdict, verdict.problems, unchecked, time.perf_counter() - t0)
+        return verdict.problems
 
     def _check_iteration(self, ckpt_id: int, unjudged_only: bool) -> list[str]:
         """A Checkpoint 2.0 iteration: judged from its own records (:mod:`ckptd.service.iteration`).
@@ -240,10 +267,11 @@ class StepJudge:
             Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value).order_by(Shard.id)).all()]
 
     @staticmethod
-    def _store(s: Session, ckpt: Checkpoint, verdict: StepVerdict, problems: list[str], seconds: float) -> None:
+    def _store(s: Session, ckpt: Checkpoint, verdict: StepVerdict, problems: list[str], unchecked: str | None,
+               seconds: float) -> None:
         steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt.id)).scalars()}
         ckpt.step_checks_ok = not problems
-        ckpt.reason = "; ".join(problems) if problems else None
+        ckpt.reason = "; ".join(problems + ([unchecked] if unchecked else [])) or None  # unchecked: said, not failed
         if verdict.incomplete:
             ckpt.reason = f"ranks {list(verdict.missing)} have no file and the others do not cover the layout: {ckpt.reason}"
         ckpt.load_plan = (json.dumps({str(r): list(src) for r, src in verdict.load_plan.items()})
@@ -281,12 +309,37 @@ def _subset(s: Session, ckpt: Checkpoint) -> bool:
     return allows_subset(_layout(s, ckpt))
 
 
-def _unusable_strategy(s: Session, ckpt: Checkpoint) -> str | None:
-    """Why the run's per-rank strategy files could not be merged, if that is why the step has
-    no strategy (a MindFormers job always writes them: checking without would prove little)."""
-    run = s.get(Run, ckpt.run_id)
-    if run is None or not run.path or ckpt.kind == "converted":
+def _unusable_strategy(s: Session, run: Run) -> str | None:
+    """Why the run's own strategy is unusable, when its newest catalogued content is an error: a
+    strategy file that does not parse, or per-rank files that do not merge (their merge row says why)."""
+    root = os.path.dirname(run.path)
+    for path, error in s.execute(select(StrategyFile.path, StrategyFile.error).where(StrategyFile.run_id == run.id)
+                                 .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())).all():
+        name = runlayout.classify(root, path)
+        if path == runlayout.rank_strategies_dir(run.path) or (
+                isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None):
+            return error  # the newest of the run's own: None when it is readable
+    return None
+
+
+def _refused_on_disk(root: str, run_path: str) -> str | None:
+    """A strategy ckptd never reads because of what it is on disk (a symlinked ``strategy/``, a
+    strategy file that is a symlink or FIFO): ingest refuses those without a catalog row."""
+    directory = runlayout.rank_strategies_dir(run_path)
+    try:
+        confine.check_dir_beneath(root, directory)
+    except confine.ConfinementError as err:
+        return f"{directory}: {err.message}: strategy files are never read through it"
+    except OSError:
         return None
-    return s.execute(select(StrategyFile.error).where(
-        StrategyFile.run_id == run.id, StrategyFile.path == runlayout.rank_strategies_dir(run.path),
-        StrategyFile.error.is_not(None)).order_by(StrategyFile.seen_at.desc()).limit(1)).scalar_one_or_none()
+    for base in (run_path, directory):
+        try:
+            with os.scandir(base) as it:
+                odd = sorted(e.path for e in it if not e.is_file(follow_symlinks=False)
+                             and not e.is_dir(follow_symlinks=False)
+                             and isinstance(runlayout.classify(root, e.path), runlayout.StrategyName))
+        except OSError:
+            continue
+        if odd:
+            return f"{odd[0]} is not a regular file: never read"
+    return None

@@ -6,12 +6,14 @@ the launch, one that names a rotated-away or half-rewritten iteration fails or l
 save. The resume oracle answers from the catalog instead and reports the tracker's state next to
 the answer. :func:`repair` rewrites the record to the answered iteration for launchers that run
 MindFormers unmodified (``load_checkpoint`` = the ``checkpoint`` directory): temp file, fsync,
-rename, fsync of the directory — unlike MindFormers' in-place write.
+rename, fsync of the directory — unlike MindFormers' in-place write — all relative to one
+descriptor of ``checkpoint/`` opened beneath the root (``ckptd.confine``), never by name.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,23 +75,40 @@ def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run:
     if not verified:
         raise CkptdError(f"refusing to point the tracker at iteration {iteration}: it is not verified",
                          path=before.path, hint="repair only to the oracle's answer (ckptd resume --repair-tracker)")
-    try:
-        confine.check_dir_beneath(root, target_dir)
-        if not os.path.isdir(target_dir):
-            raise FileNotFoundError(f"no directory {os.path.basename(target_dir)}")
-    except (FileNotFoundError, confine.ConfinementError) as err:
-        raise CkptdError(f"refusing to point the tracker at iteration {iteration}: its directory is not a real "
-                         f"directory below the root ({getattr(err, 'message', err)})", path=target_dir,
-                         hint="rescan the root (it changed since it was verified)") from None
     result: dict[str, Any] = {"path": before.path, "before": before.iteration, "before_problem": before.problem,
                               "after": iteration, "dry_run": dry_run, "written": False}
-    if before.iteration == iteration or dry_run:
-        return result
-    # checkpoint/ itself was checked with the iteration directory below it: no symlink out of the root
-    if os.path.lexists(before.path) and not confine.is_regular_beneath(root, before.path):
-        raise CkptdError("refusing to replace the tracker: it is not a regular file (symlink, FIFO, ...)",
-                         path=before.path, hint="remove it by hand after checking what it is")
-    with atomic_write(before.path, overwrite=True, mode=TRACKER_MODE) as fh:
-        fh.write(str(iteration).encode())  # MindFormers' own format: the number, no newline
+    # every check and the write act on one descriptor of checkpoint/, opened from the root without
+    # following a symlink: swapping the directory for a link meanwhile redirects nothing
+    ckpt_dir = os.path.dirname(before.path)
+    try:
+        dir_fd = confine.open_dir_beneath(root, ckpt_dir)
+    except (FileNotFoundError, NotADirectoryError, confine.ConfinementError) as err:
+        raise _not_real(iteration, target_dir, err) from None
+    try:
+        try:
+            mode = os.stat(os.path.basename(target_dir), dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError as err:
+            raise _not_real(iteration, target_dir, err) from None
+        if not stat.S_ISDIR(mode):
+            raise _not_real(iteration, target_dir, f"it is a {confine.kind_of(mode)}")
+        if before.iteration == iteration or dry_run:
+            return result
+        name = os.path.basename(before.path)
+        if confine.exists_at(dir_fd, name):
+            try:
+                os.close(confine.open_at(dir_fd, name, before.path))
+            except (OSError, confine.ConfinementError) as err:
+                raise CkptdError(f"refusing to replace the tracker: {getattr(err, 'message', None) or err}",
+                                 path=before.path, hint="remove it by hand after checking what it is") from None
+        with atomic_write(name, overwrite=True, mode=TRACKER_MODE, dir_fd=dir_fd) as fh:
+            fh.write(str(iteration).encode())  # MindFormers' own format: the number, no newline
+    finally:
+        os.close(dir_fd)
     result["written"] = True
     return result
+
+
+def _not_real(iteration: int, target_dir: str, why: object) -> CkptdError:
+    return CkptdError(f"refusing to point the tracker at iteration {iteration}: its directory is not a real "
+                      f"directory below the root ({getattr(why, 'message', why)})", path=target_dir,
+                      hint="rescan the root (it changed since it was verified)")

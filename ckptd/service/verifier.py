@@ -79,7 +79,7 @@ def read_sidecar(root: str, path: str) -> dict[str, object] | None:
         return None
     try:
         data = json.loads(confine.read_beneath(root, sidecar, 4096))
-    except (OSError, ValueError, confine.ConfinementError):
+    except (OSError, ValueError, RecursionError, confine.ConfinementError):  # RecursionError: [[[[... nesting
         return None
     return data if isinstance(data, dict) else None
 
