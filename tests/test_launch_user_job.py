@@ -138,9 +138,13 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
     try:
         wait_for(serve.up, timeout=60, interval=0.2, what="ckptd serve to come up")
         ref_dir = tmp_path / "ref"  # the same job, uninterrupted, no ckptd
-        ref = subprocess.run(launch_cmd(ref_dir, "--fresh", "--max-restarts", "0", *FAST_EXIT), cwd=th.REPO, env=env(),
+        # its ranks work 4 s after Model.train (past --exit-grace 1): waited for, never killed
+        ref = subprocess.run(launch_cmd(ref_dir, "--fresh", "--max-restarts", "0", *FAST_EXIT,
+                                        job_args=("--after-train", "4")), cwd=th.REPO, env=env(),
                              capture_output=True, text=True, timeout=300, check=False)
         assert ref.returncode == 0, ref.stderr[-3000:]
+        assert "attempt=0 event=finishing" in ref.stderr and "attempt=0 event=finished" in ref.stderr, ref.stderr[-3000:]
+        assert all((ref_dir / f"after_train_{r}").read_text() == "done\n" for r in range(2))
 
         run_dir = serve.root / "userjob"
         # attempt 1 holds rank 1's async write of epoch 2's step 6 (global step 12) half done
@@ -192,6 +196,11 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
     assert Path(str(final_name).replace("rank_1", "rank_0") + ".done").exists()  # rank 0's save finished
     for attempt, step in enumerate(expected, start=1):
         assert f"attempt={attempt} event=resume step={step} " in log, log
+    # steps are named as users count them (issue 25, item 3): the torn save is global step 12 (rank
+    # 0's shard of it verified), named net-2_6 -- never "skipped 6" next to "resume step=8"
+    resumed_2 = next(l for l in log.splitlines() if "attempt=2 event=resume" in l)
+    assert "skipped 12 (" in resumed_2 and "files named epoch 2 step 6" in resumed_2, resumed_2
+    assert not re.search(r"catalog_(settled|lagging) .*steps=\"?2=", log), log  # step 8 is not "2"
     assert "attempt=3 event=finished" in log
     got, want = losses(run_dir), losses(ref_dir)
     assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1)) == sorted(want)

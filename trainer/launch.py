@@ -40,6 +40,8 @@ import argparse
 import os
 import sys
 
+from ckptd.launcher import freshstart
+from ckptd.launcher.freshstart import FreshStart
 from ckptd.launcher.oracle import ConversionError, OracleError, ResumeAnswer, ask_command
 from ckptd.launcher.supervise import (JOB_ENV, Job, Log, Restarts, Watch, ask_ckptd_once, ask_patiently, free_port,
                                       install_sigterm, supervise)
@@ -62,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "{P}_rank_<r>_<k> files, as MindFormers does")
     p.add_argument("--ckptd-url", default=os.environ.get("CKPTD_URL"), help="resume oracle + health reports")
     p.add_argument("--resume-cmd", default=None, help="shell command printing a resume answer (instead of HTTP)")
-    p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
+    p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt (refused "
+                                                       "when the run dir holds committed saves)")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="allow training from step 0 over saves the oracle cannot see (see ckptd launch)")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
     p.add_argument("--oracle-wait", type=float, default=120.0,
@@ -124,7 +129,7 @@ def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
         return answer
     if args.ckptd_url:
         return ask_ckptd_patiently(args, world, attempt, log)
-    return ResumeAnswer(None, None, "no oracle configured")
+    return ResumeAnswer(None, None, "no oracle configured", catalogued=False)
 
 
 def ask_ckptd(args, world: int, attempt: int, log: Log, timeout: float = 10.0) -> ResumeAnswer:
@@ -169,9 +174,19 @@ def run(args) -> int:
     hb_dir = os.path.join(args.run_dir, "heartbeat")
     log = Log(os.path.join(args.run_dir, "launcher.log"))
     world = args.tp * args.dp
+    # the scan fallback sees the disk itself: a ckptd that cannot be asked at start is no reason to stop
+    fallback = (lambda why: None) if args.oracle_fallback == "scan" else None
+    if refused := freshstart.refusal_at_start(
+            args.ckptd_url, bool(args.ckptd_url or args.resume_cmd), args.run_dir, args.run_name, args.max_restarts,
+            args.allow_fresh_start,
+            lambda once: ask_patiently(once, args.oracle_wait, args.oracle_backoff, args.oracle_backoff_max, log, 0,
+                                       fallback)):
+        log(event=refused[0], reason=refused[1])
+        return 2
     return supervise(args.run_dir, world, log, lambda attempt: ask_oracle(args, world, attempt, log),
                      lambda attempt, resume_file, _answer: start_job(args, attempt, hb_dir, resume_file),
-                     Restarts(args.max_restarts, args.backoff, args.backoff_max, args.poll), fresh=args.fresh)
+                     Restarts(args.max_restarts, args.backoff, args.backoff_max, args.poll), fresh=args.fresh,
+                     fresh_start=FreshStart(allowed=args.allow_fresh_start))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,11 @@ def register(sub: Any) -> None:
                    help="elastic restart: wait at most this long for ckptd to re-shard a step for --layout (s)")
     p.add_argument("--exclude-unreachable", action="store_true",
                    help="resume from the newest step with no shard on a node whose ckptd is silent (a node was lost)")
-    p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt")
+    p.add_argument("--fresh", action="store_true", help="do not ask the oracle before the first attempt (refused "
+                                                       "when the run dir holds committed saves)")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="allow training from step 0 over saves ckptd cannot see (a run dir outside ckptd's root, no "
+                        "oracle configured, --fresh over existing saves); without it the launcher refuses (exit 2)")
     p.add_argument("--settle-timeout", type=float, default=60.0,
                    help="before asking ckptd, wait up to this long for its verdict on the newest save on disk")
     p.add_argument("--oracle-wait", type=float, default=120.0, help="keep asking an unreachable ckptd this long (s)")
@@ -72,7 +76,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         spec = LaunchSpec(
             command=command, run_dir=run_dir, world=world, run_name=run_name, ckptd_url=args.ckptd_url,
             resume_cmd=args.resume_cmd, resume_args=args.resume_args or PRESETS.get(args.resume_preset or ""),
-            resume_env=args.resume_env, fresh=args.fresh, layout=layout, convert_timeout=args.convert_timeout,
+            resume_env=args.resume_env, fresh=args.fresh, allow_fresh_start=args.allow_fresh_start, layout=layout, convert_timeout=args.convert_timeout,
             settle_timeout=args.settle_timeout,
             oracle_wait=args.oracle_wait, oracle_backoff=args.oracle_backoff,
             oracle_backoff_max=args.oracle_backoff_max, exclude_unreachable=args.exclude_unreachable,

@@ -28,6 +28,9 @@ What it does, per rank:
   and tells every ``ModelCheckpoint`` that this step is already saved, so saves land on the same
   steps, with the same names and ``step_num``, as in an uninterrupted run.
 
+Sink mode (``dataset_sink_mode=True``, Ascend's default) is refused at train begin with a clear
+error; on CPU MindSpore trains non-sink whatever was asked, so the refusal never fires there.
+
 The data position is exact for a dataset that yields the same batches in the same order every
 epoch (no shuffle, or a shuffle whose order does not depend on the epoch count): MindSpore's
 pipeline restarts its epoch count at ``initial_epoch``.
@@ -173,6 +176,13 @@ class CkptdCallback(Callback):
 
     def on_train_begin(self, run_context) -> None:
         cb = run_context.original_args()
+        if getattr(cb, "dataset_sink_mode", False):
+            # In sink mode step callbacks run once per sink (an epoch by default): heartbeats, save
+            # commits and the restored step position are not per step, and none of it is tested
+            # (Ascend only; MindSpore on CPU trains non-sink whatever was asked). Refused, not guessed.
+            raise RuntimeError("CkptdCallback: dataset_sink_mode=True is not supported: ckptd's heartbeats, save "
+                               "commits and exact resume need per-step callbacks; pass dataset_sink_mode=False "
+                               "to Model.train")
         self._check_rank()
         if self.resume_step:
             cb.cur_step_num = self.resume_step

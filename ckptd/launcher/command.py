@@ -21,11 +21,12 @@ import re
 import shutil
 from dataclasses import dataclass, field
 
-from ckptd.launcher import elastic, template
+from ckptd.launcher import elastic, freshstart, template
 from ckptd.launcher.oracle import ConversionError, ResumeAnswer, ask_command
 from ckptd.launcher.supervise import JOB_ENV, Job, Log, Restarts, Watch, ask_ckptd_once, ask_patiently, supervise
 
 _WORKER_NUM = re.compile(r"^--worker_num(?:=(\d+))?$")
+_LOG_DIR = re.compile(r"^--log_dir(=.*)?$")
 
 
 @dataclass
@@ -39,6 +40,8 @@ class LaunchSpec:
     resume_args: str | None = None
     resume_env: list[str] = field(default_factory=list)
     fresh: bool = False
+    #: ``--allow-fresh-start``: train from step 0 even over saves the oracle cannot see
+    allow_fresh_start: bool = False
     #: the job's declared layout: elastic restarts from a re-sharded copy (None: refuse another world size)
     layout: elastic.Layout | None = None
     convert_timeout: float = 300.0
@@ -63,6 +66,30 @@ def world_from_command(command: list[str]) -> int | None:
         if m and (m.group(1) or (i + 1 < len(command) and command[i + 1].isdigit())):
             return int(m.group(1) or command[i + 1])
     return None
+
+
+def per_attempt_log_dir(command: list[str], attempt: int) -> tuple[list[str], str | None]:
+    """msrun's ``--log_dir D`` / ``--log_dir=D`` made ``D/attempt_<k>``: msrun rewrites its worker
+    logs in place, so every attempt would overwrite the logs of the failure that ended the last one.
+    Returns the command and the attempt's log directory (None: no ``--log_dir``)."""
+    out = list(command)
+    if os.path.basename(out[0]) != "msrun":
+        return out, None
+    for i, arg in enumerate(out):
+        if arg.endswith(".py"):  # the script: what follows is its own arguments, not msrun's
+            break
+        m = _LOG_DIR.match(arg)
+        if m is None:
+            continue
+        if m.group(1):
+            target = os.path.join(m.group(1)[1:], f"attempt_{attempt}")
+            out[i] = f"--log_dir={target}"
+            return out, target
+        if i + 1 < len(out):
+            target = os.path.join(out[i + 1], f"attempt_{attempt}")
+            out[i + 1] = target
+            return out, target
+    return out, None
 
 
 def parse_layout(text: str | None, world: int) -> elastic.Layout | None:
@@ -121,7 +148,7 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
                                           "re-shard it first (ckptd convert)")
         return answer
     if not spec.ckptd_url:
-        return ResumeAnswer(None, None, "no oracle configured")
+        return ResumeAnswer(None, None, "no oracle configured", catalogued=False)
     url = spec.ckptd_url
 
     def once(timeout: float) -> ResumeAnswer:
@@ -154,7 +181,7 @@ def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: Resum
     env.update(CKPTD_HEARTBEAT_DIR=hb_dir, CKPTD_ATTEMPT=str(attempt), CKPTD_RUN_NAME=spec.run_name)
     if spec.ckptd_url:
         env["CKPTD_URL"] = spec.ckptd_url
-    cmd = list(spec.command)
+    cmd, msrun_logs = per_attempt_log_dir(spec.command, attempt)
     if resume_file and answer is not None and answer.body is not None:
         extra_args, extra_env = template.render(arg_templates, env_templates,
                                                 template.values(answer.body, resume_file))
@@ -163,7 +190,10 @@ def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: Resum
         env["CKPTD_RESUME_FILE"] = resume_file
     job = Job(cmd, env, spec.world, hb_dir, log_dir, spec.watch)
     fields = {"world": spec.world, "layout": spec.layout} if spec.layout else {"world": spec.world}
-    return job, {**fields, "pid": job.proc.pid, "logs": log_dir}
+    fields.update(pid=job.proc.pid, logs=log_dir)
+    if msrun_logs:
+        fields["msrun_logs"] = msrun_logs
+    return job, fields
 
 
 def run(spec: LaunchSpec) -> int:
@@ -174,11 +204,17 @@ def run(spec: LaunchSpec) -> int:
         raise LaunchError(str(err)) from None
     os.makedirs(spec.run_dir, exist_ok=True)
     log = Log(os.path.join(spec.run_dir, "launcher.log"))
+    if refused := freshstart.refusal_at_start(
+            spec.ckptd_url, bool(spec.ckptd_url or spec.resume_cmd), spec.run_dir, spec.run_name, spec.restarts.max_restarts, spec.allow_fresh_start,
+            lambda once: ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, 0)):
+        log(event=refused[0], reason=refused[1])
+        return 2
     try:
         return supervise(spec.run_dir, spec.world, log, lambda attempt: ask(spec, attempt, log),
                          lambda attempt, resume_file, answer: start(spec, attempt, resume_file, answer,
                                                                     arg_templates, env_templates),
-                         spec.restarts, fresh=spec.fresh)
+                         spec.restarts, fresh=spec.fresh,
+                         fresh_start=freshstart.FreshStart(allowed=spec.allow_fresh_start))
     except template.TemplateError as err:  # an answer the templates cannot use: stop, never guess
         log(event="oracle_error", reason=str(err))
         return 2

@@ -30,9 +30,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ckptd import runlayout
+from ckptd import runlayout, stepname
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class ResumeAnswer:
     saved_world: int | None = None
     #: ckptd's ``conversion`` block when the question named a world size (``?world_size=W``)
     conversion: dict | None = None
+    #: False when the oracle does not know the run at all (``not_found``): "nothing to resume" is
+    #: then no verdict on the saves on disk (:mod:`ckptd.launcher.freshstart`)
+    catalogued: bool = True
 
 
 class OracleError(RuntimeError):
@@ -83,7 +86,7 @@ def interpret_answer(body: object, world: int, source: str) -> ResumeAnswer:
         return ResumeAnswer(None, None, why)
     if isinstance(detail, dict) and detail.get("code") == "not_found":
         # ckptd has never seen this run (no shard, no health report yet): nothing to resume from
-        return ResumeAnswer(None, None, f"{source}: run not in the catalog yet")
+        return ResumeAnswer(None, None, f"{source}: run not in the catalog yet", catalogued=False)
     try:
         step = int(body["step"])
         ranks = sorted(int(s["rank"]) for s in body["shards"])
@@ -219,9 +222,19 @@ def committed_saves(run_dir: str, world: int) -> list[tuple[str, int, int]]:
     right after its tmp -> final rename; a rank killed between that and its sidecar leaves exactly
     this). Only the files' presence and mode: whether they are intact is ckptd's verdict, not ours.
     """
+    return [key for key, _ in _committed(run_dir, world)]
+
+
+def committed_save_files(run_dir: str, world: int) -> list[str]:
+    """Rank 0's file of every committed save (see committed_saves), newest first, relative to the run dir."""
+    return [os.path.relpath(path, run_dir) for _, path in _committed(run_dir, world)]
+
+
+def _committed(run_dir: str, world: int) -> list[tuple[tuple[str, int, int], str]]:
     dirs = runlayout.rank_dirs(run_dir)
     seen: dict[tuple[str, int, int], int] = {}
     restart: dict[tuple[str, int, int], int] = {}
+    first: dict[tuple[str, int, int], str] = {}
     for rank in range(world):
         d = dirs.get(rank)
         try:
@@ -238,9 +251,11 @@ def committed_saves(run_dir: str, world: int) -> list[tuple[str, int, int]]:
                 key = (parsed[0], parsed[1], parsed[2])
                 seen[key] = seen.get(key, 0) + 1
                 restart[key] = parsed[5] or 0
+                if rank == 0:
+                    first[key] = os.path.join(d, name)
     done = [k for k, n in seen.items() if n == world]
     # of two restarts' saves of one (epoch, step), the later restart's first
-    return sorted(done, key=lambda k: (k[1], k[2], restart[k]), reverse=True)
+    return [(k, first[k]) for k in sorted(done, key=lambda k: (k[1], k[2], restart[k]), reverse=True)]
 
 
 def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
@@ -251,6 +266,13 @@ def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
         if (epoch, step) not in out:
             out.append((epoch, step))
     return out
+
+
+def _int_or_none(value: object) -> int | None:
+    try:
+        return int(value) if value is not None else None  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
 
 
 def _read_only(path: str) -> bool:
@@ -269,12 +291,32 @@ def _get_json(url: str, timeout: float) -> object:
         return json.loads(resp.read())
 
 
+def get_json(url: str, path: str, timeout: float) -> object:
+    """``GET url+path`` (read scope: ``CKPTD_TOKEN``) as JSON: :class:`OracleUnavailable` when ckptd
+    cannot be asked now, :class:`OracleError` for any other failure (a refused token, a 4xx, not JSON)."""
+    target = f"{url.rstrip('/')}{path}"
+    try:
+        return _get_json(target, timeout)
+    except urllib.error.HTTPError as err:
+        if is_transient(err):
+            raise OracleUnavailable(f"ckptd answered HTTP {err.code} to GET {target}") from None
+        raise OracleError(f"ckptd answered HTTP {err.code} to GET {target}") from None
+    except ValueError as err:
+        raise OracleError(f"ckptd: malformed answer to GET {target} (not JSON: {err})") from None
+    except Exception as err:  # noqa: BLE001 -- classified: transient (ask again) or not
+        if is_transient(err):
+            raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
+        raise OracleError(f"GET {target} failed: {type(err).__name__}: {err}") from None
+
+
 @dataclass(frozen=True)
 class Settled:
     settled: bool
     waited: float
     #: (epoch, step) -> ckptd's state for the committed saves that were looked at, newest first
     states: dict[tuple[int, int], str]
+    #: (epoch, step) -> the save as users count it, for log lines (:func:`ckptd.stepname.label`)
+    labels: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: float, poll: float = 0.25,
@@ -302,18 +344,19 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
             rows = _get_json(f"{base}?limit=1000", timeout=5.0)
             trained = [r for r in rows if r.get("kind", "trained") == "trained"]
             known = {(r.get("prefix"), int(r["epoch"]), int(r["step"])): str(r["state"]) for r in trained}
+            seen_as = {(int(r["epoch"]), int(r["step"])): r.get("training_step") for r in trained}
         except urllib.error.HTTPError as err:
             if raise_unavailable and err.code in (401, 403):
                 raise OracleError(f"ckptd answered HTTP {err.code} to GET {base}") from None
             if raise_unavailable and is_transient(err):
                 raise OracleUnavailable(f"ckptd answered HTTP {err.code}") from None
-            known = {}  # run not catalogued yet (404): keep waiting
+            known, seen_as = {}, {}  # run not catalogued yet (404): keep waiting
         except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
             if raise_unavailable:
                 raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
-            known = {}  # ckptd briefly unreachable: keep waiting
+            known, seen_as = {}, {}  # ckptd briefly unreachable: keep waiting
         except (ValueError, KeyError, TypeError, AttributeError):
-            known = {}  # an answer this version does not understand: the oracle still decides
+            known, seen_as = {}, {}  # an answer this version does not understand: the oracle still decides
         by_name: dict[tuple[int, int], list[str]] = {}
         for (_, epoch, step), state in known.items():
             by_name.setdefault((epoch, step), []).append(state)
@@ -332,7 +375,8 @@ def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: flo
                 break
         waited = time.monotonic() - t0
         if settled or waited >= timeout:
-            return Settled(settled, waited, states)
+            labels = {k: stepname.label(None, _int_or_none(seen_as.get(k)), *k) for k in states}
+            return Settled(settled, waited, states, labels)
         time.sleep(poll)
 
 

@@ -27,7 +27,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+from ckptd.launcher.freshstart import FreshStart
 from ckptd.launcher.heartbeat import exit_path, heartbeat_path
 from ckptd.launcher.oracle import (
     ConversionError,
@@ -48,6 +50,7 @@ REAP_WAIT = 5.0
 #: blocked in a collective behind a hung peer have reported a later phase or step)
 PHASE_ORDER = {"starting": 0, "train": 1, "compute": 2, "sync": 3, "save": 4, "finishing": 5}
 _WORKER_EXIT = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+T = TypeVar("T")
 
 
 class Log:
@@ -153,6 +156,9 @@ class Job:
         self.out = open(self.out_path, "wb")  # noqa: SIM115 -- the job writes it for the whole attempt
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.started = time.time()
+        #: every rank wrote its clean exit marker, some process still works (after training)
+        self.finishing: float | None = None
+        #: every rank wrote its clean exit marker and its process is gone: msrun's grace runs
         self.all_exited: float | None = None
 
     def _msrun_exit_codes(self) -> dict[int, int]:
@@ -182,17 +188,21 @@ class Job:
             if e is not None and e.get("code") != 0:
                 return "failed", Failure(r, e.get("step"), f"exit marker code {e.get('code')}")
         if all(e is not None for e in exits.values()):
-            # every rank is through training; what a script does after it is its own business, but
-            # a rank that then dies with an error is a failure (msrun names it)
+            # every rank is through training. What a script does after it (evaluate, export) is its
+            # own work: its processes are waited for, however long, never killed; a rank that then
+            # dies with an error is a failure (msrun names it). Only msrun itself is stopped, once
+            # the workers are gone and it had exit_grace to exit (its CPU scheduler lingers ~30 s).
+            codes = self._msrun_exit_codes()
+            for r, hb in beats.items():
+                code = codes.get(int(hb["pid"])) if hb else None
+                if code:
+                    return "failed", Failure(r, exits[r].get("step"), f"rank process exited with "
+                                             f"{_signal_name(code)} after its clean exit marker")
+            if any(hb is not None and _alive(int(hb["pid"])) for hb in beats.values()):
+                first, self.finishing = self.finishing is None, self.finishing or now
+                return ("finishing" if first else "running"), None
             self.all_exited = self.all_exited or now
-            gone = all(hb is None or not _alive(int(hb["pid"])) for hb in beats.values())
-            if gone or self.proc.poll() is not None or now - self.all_exited >= self.watch.exit_grace:
-                codes = self._msrun_exit_codes()
-                for r, hb in beats.items():
-                    code = codes.get(int(hb["pid"])) if hb else None
-                    if code:
-                        return "failed", Failure(r, exits[r].get("step"), f"rank process exited with "
-                                                 f"{_signal_name(code)} after its clean exit marker")
+            if self.proc.poll() is not None or now - self.all_exited >= self.watch.exit_grace:
                 return "done", None
             return "running", None
         dead = []
@@ -266,8 +276,8 @@ class Restarts:
     poll: float = 0.2
 
 
-def ask_patiently(once: Callable[[float], ResumeAnswer], wait: float, backoff: float, backoff_max: float,
-                  log: Log, attempt: int, fallback: Callable[[str], ResumeAnswer] | None = None) -> ResumeAnswer:
+def ask_patiently(once: Callable[[float], T], wait: float, backoff: float, backoff_max: float,
+                  log: Log, attempt: int, fallback: Callable[[str], T] | None = None) -> T:
     """``once(timeout)`` again and again while ckptd cannot be asked (OracleUnavailable), with
     exponential back-off, for up to ``wait`` s; then OracleError -- or ``fallback(why)`` when given
     (never after a conversion was involved: only ckptd re-shards)."""
@@ -314,7 +324,7 @@ def settle(url: str, run: str, run_dir: str, world: int, timeout: float, log: Lo
     res = wait_for_verdicts(url, run, run_dir, world, timeout, raise_unavailable=True)
     if not res.states:
         return  # nothing committed on disk: nothing to wait for
-    seen = ", ".join(f"{step}={state}" for (_, step), state in res.states.items())
+    seen = ", ".join(f"{res.labels.get(key, key[1])}={state}" for key, state in res.states.items())
     if res.settled:
         log(attempt=attempt, event="catalog_settled", waited=f"{res.waited:.1f}s", steps=seen,
             reason="ckptd has judged the newest committed save")
@@ -325,13 +335,17 @@ def settle(url: str, run: str, run_dir: str, world: int, timeout: float, log: Lo
 
 def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAnswer],
               start: Callable[[int, str | None, ResumeAnswer | None], tuple[Job, dict]], restarts: Restarts,
-              fresh: bool = False) -> int:
+              fresh: bool = False, fresh_start: FreshStart = FreshStart()) -> int:
     """The restart loop. ``ask(attempt)`` is the oracle (raises ConversionError / OracleError to stop);
     ``start(attempt, resume_file, answer)`` starts an attempt -- ``resume_file`` is the answer as JSON
     in ``<run_dir>/launcher/resume_<attempt>.json`` -- and returns it with the fields of its
-    ``started`` line. Returns 0 (every rank finished), 1 (restarts used up) or 2 (oracle said stop)."""
+    ``started`` line; ``fresh_start`` says whether a start from step 0 would throw saves away.
+    Returns 0 (every rank finished), 1 (restarts used up) or 2 (oracle said stop)."""
     for attempt in range(restarts.max_restarts + 1):
         resume_file, answer = None, None
+        if attempt == 0 and fresh and (refused := fresh_start.refusal(run_dir, world, None)):
+            log(attempt=attempt, event="fresh_start_refused", reason=refused)
+            return 2
         if attempt > 0 or not fresh:
             try:
                 answer = ask(attempt)
@@ -341,6 +355,9 @@ def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAns
                 return 2
             except OracleError as err:
                 log(attempt=attempt, event="oracle_error", reason=str(err))
+                return 2
+            if refused := fresh_start.refusal(run_dir, world, answer):
+                log(attempt=attempt, event="fresh_start_refused", reason=refused)
                 return 2
             if answer.step is not None:
                 resume_file = os.path.join(run_dir, "launcher", f"resume_{attempt}.json")
@@ -359,15 +376,21 @@ def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAns
             while True:
                 time.sleep(restarts.poll)
                 state, failure = job.check()
-                if state != "running":
+                if state == "finishing":
+                    log(attempt=attempt, event="finishing", reason="every rank wrote its clean exit marker; waiting "
+                                                                   "for the rank processes to exit (work after "
+                                                                   "training is never killed)")
+                elif state != "running":
                     break
         except BaseException as exc:  # Ctrl-C / SIGTERM: never leave ranks running (they are in their own sessions)
             job.stop()
             log(attempt=attempt, event="interrupted", reason=f"{type(exc).__name__}: stopped all ranks")
             raise
+        lingering = job.proc.poll() is None
         job.stop()
         if state == "done":
-            log(attempt=attempt, event="finished", reason="every rank wrote a clean exit marker")
+            log(attempt=attempt, event="finished", reason="every rank wrote a clean exit marker and exited" +
+                ("; stopped msrun, still running --exit-grace after its workers" if lingering else ""))
             return 0
         assert failure is not None
         log(attempt=attempt, event="rank_failed", rank=failure.rank if failure.rank is not None else "?",
