@@ -6,11 +6,14 @@ import argparse
 import logging
 import sys
 
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from ckptd import __version__
 from ckptd.cli import catalog_cmds, convert_cmd, files, launch_cmd, service
 from ckptd.errors import CkptdError
+
+if TYPE_CHECKING:  # pydantic is imported only by the commands that read settings: --help stays fast
+    from pydantic import ValidationError
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
@@ -40,15 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     except CkptdError as err:
         print(f"ckptd: error: {err}", file=sys.stderr)
         return EXIT_USAGE if err.code == "usage" else EXIT_INVALID
-    except ValidationError as err:  # a setting from a flag, CKPTD_* or the config file
-        print(f"ckptd: error: invalid configuration: {config_problems(err)} "
-              "(hint: see `ckptd config show` and docs/CONFIG.md)", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("ckptd: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return EXIT_OK
+    except Exception as err:
+        # a setting from a flag, CKPTD_* or the config file; pydantic is loaded if settings were read
+        pydantic = sys.modules.get("pydantic")
+        if pydantic is None or not isinstance(err, pydantic.ValidationError):
+            raise
+        print(f"ckptd: error: invalid configuration: {config_problems(err)} "
+              "(hint: see `ckptd config show` and docs/CONFIG.md)", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def config_problems(err: ValidationError) -> str:

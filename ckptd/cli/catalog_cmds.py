@@ -16,7 +16,6 @@ from typing import Any
 from ckptd import confine
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
-from ckptd.settings import Settings
 
 
 def register(sub: Any) -> None:
@@ -91,6 +90,7 @@ def catalog_sessions(args: argparse.Namespace):  # noqa: ANN202
     from sqlalchemy.orm import sessionmaker
 
     from ckptd.catalog.db import make_engine, require_current_schema
+    from ckptd.settings import Settings
 
     overrides = {k: getattr(args, k) for k in ("db", "root") if getattr(args, k, None)}
     settings = Settings(**overrides)

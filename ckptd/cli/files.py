@@ -18,12 +18,12 @@ import json
 import os
 import sys
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptd.errors import CkptdError
-from ckptd.format import crypto
-from ckptd.format.checkpoint import open_checkpoint
-from ckptd.format.verify import FileReport, verify_path
+
+if TYPE_CHECKING:  # the format readers (numpy, crypto) load when a command reads a file: --help stays light
+    from ckptd.format.verify import FileReport
 
 INSPECT_SCHEMA = "ckptd.inspect/1"
 VERIFY_SCHEMA = "ckptd.verify/1"
@@ -65,6 +65,8 @@ def register(sub: Any) -> None:
 
 
 def _key(args: argparse.Namespace) -> bytes | None:
+    from ckptd.format import crypto
+
     return crypto.load_key_file(args.key_file) if args.key_file else None
 
 
@@ -85,6 +87,8 @@ def human_bytes(n: int) -> str:
 
 def inspect_file(path: str, key: bytes | None, check_crc: bool = True) -> dict[str, Any]:
     """The ``ckptd.inspect/1`` document for one file."""
+    from ckptd.format.checkpoint import open_checkpoint
+
     with open_checkpoint(path, key) as ckpt:
         crc: dict[str, Any] = {"present": ckpt.crc is not None, "stored": None, "computed": None, "valid": None}
         if ckpt.crc is not None:
@@ -175,6 +179,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise CkptdError("nothing to verify", hint="ckptd verify PATH... or ckptd verify --run R [--step S]")
     key = _key(args)
     t0 = time.perf_counter()
+    from ckptd.format.verify import verify_path
+
     reports = [verify_path(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
     seconds = time.perf_counter() - t0
     nbytes = sum(r.size for r in reports)

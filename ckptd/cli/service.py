@@ -6,9 +6,10 @@ import argparse
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptd.settings import Settings
+if TYPE_CHECKING:  # imported by the handlers that read settings: the parser stays light
+    from ckptd.settings import Settings
 
 
 def register(sub: Any) -> None:
@@ -40,12 +41,15 @@ def settings_from(args: argparse.Namespace, **extra: object) -> Settings:
         "root": "root", "db": "db", "key_file": "key_file", "world_size": "world_size",
         "require_encryption": "require_encryption", "require_crc": "require_crc", "verify_workers": "verify_workers",
     }
+    from ckptd.settings import Settings
+
     overrides = {field: getattr(args, flag) for flag, field in mapping.items() if getattr(args, flag, None) is not None}
     return Settings(**overrides, **extra)
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from ckptd.catalog.db import make_engine, upgrade
+    from ckptd.settings import Settings
 
     settings = Settings(**({"db": args.db} if args.db else {}))
     engine = make_engine(settings.db)
