@@ -380,7 +380,7 @@ def test_lease_renewals_keep_the_cached_answer(ms, root, quiet_server):
     assert reader.get("/v1/runs/run1/resume").content == first and cache.hits == hits + 1
 
 
-def test_a_cached_answer_is_the_computed_bytes_and_still_needs_a_token(ms, root, quiet_server):
+def test_fast_path_serves_the_routes_bytes_and_leaves_errors_to_it(ms, root, quiet_server):
     _job(ms, root, steps=(100, 200))
     quiet_server.settle()
     reader, cache = quiet_server.client("r-token"), quiet_server.app.state.resume_cache
@@ -391,7 +391,7 @@ def test_a_cached_answer_is_the_computed_bytes_and_still_needs_a_token(ms, root,
         assert cache.hits == hits + 1
         assert (cached.status_code, cached.content) == (computed.status_code, computed.content) == (200, computed.content)
         assert cached.headers["content-type"] == computed.headers["content-type"] == "application/json"
-    # the route parses every query string its own way, cached or not
+    # forms the fast path does not take go to the route, which parses them its own way
     assert reader.get("/v1/runs/run1/resume", params={"max_step": "0150"}).json()["step"] == 100
     assert reader.get("/v1/runs/run1/resume", params={"max_step": "-1"}).status_code == 422
     assert reader.get("/v1/runs/run1/resume", params={"lease": "maybe"}).status_code == 422

@@ -47,6 +47,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.resume_cache.close()
             d.stop()
 
     app = FastAPI(
@@ -61,6 +62,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     app.state.resume_cache = ResumeCache()
     app.state.resume_locks = {}  # one computation per resume question at a time (routes_resume)
     errors.install(app)
+    app.add_middleware(routes_resume.ResumeFastPath)  # cached resume answers without the FastAPI stack
     routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router,
                routes_nodes.router)
     # bodies: the token is checked before one is read, and its size capped per route

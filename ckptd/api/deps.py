@@ -98,7 +98,7 @@ def _scope(request: Request) -> str:
 def require(minimum: str):
     # async on purpose (here and in _run_name_param): pure CPU, so FastAPI runs them inline instead of
     # sending each to the thread pool. _bearer only documents the scheme in OpenAPI (its parsing is
-    # not used: token_scope reads the header itself, as the request guard does).
+    # not used: token_scope reads the header itself, as the resume fast path does).
     async def check(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str:
         scope = _scope(request)
         if SCOPE_RANK[scope] < SCOPE_RANK[minimum]:

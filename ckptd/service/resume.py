@@ -7,6 +7,9 @@ retention cannot delete it between the answer and the restarted job loading it.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import stat
@@ -16,8 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from ckptd import confine, runlayout, stepname
@@ -275,9 +277,20 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
     }
 
 
-_GENERATION_SQL = text(
-    "SELECT r.id, g.generation FROM runs r LEFT JOIN resume_generations g ON g.run_id = r.id WHERE r.name = :name"
+_GENERATION_SQL = (
+    "SELECT r.id, g.generation FROM runs r LEFT JOIN resume_generations g ON g.run_id = r.id WHERE r.name = {param}"
 )
+_GENERATIONS_PG = ("SELECT r.name, r.id, g.generation FROM runs r LEFT JOIN resume_generations g ON g.run_id = r.id "
+                   "WHERE r.name = ANY(%s)")
+
+
+class _Batch:
+    """Generation lookups waiting for the next round trip (see ResumeCache.current)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.done: asyncio.Future[dict[str, tuple] | None] = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task | None = None
 
 
 class ResumeCache:
@@ -293,51 +306,159 @@ class ResumeCache:
     an answer); entries expire after ``ttl`` seconds so a polled answer still renews its lease.
     Answers that depend on the whole loss history (``skip_spikes``) are never cached.
 
-    Both paths are plain blocking calls on a pooled connection, made from the server's worker
-    threads; the route computes a missing answer once per question at a time (single-flight),
-    and whoever waited re-checks here afterwards.
+    Hit path (:meth:`current`, on the event loop; no ORM session, no pool checkout): SQLite is
+    read in-process with the loop thread's own DB-API connection (~20 us). PostgreSQL is a round
+    trip, so requests share them: a lookup starts only after the previous one finished, and one
+    lookup answers every request that arrived before it started (a storm shares a few round trips
+    instead of making one per request, and the loop never blocks on the network). Anything unusual (a miss, a lookup
+    error) returns None and the caller computes the answer with :meth:`answer` in an ORM session,
+    which has the proper error handling.
     """
 
     def __init__(self, ttl: float = 300.0, max_entries: int = 4096) -> None:
         self.ttl, self.max_entries = ttl, max_entries
         self._lock = threading.Lock()
         self._entries: dict[tuple, tuple[tuple, float, bytes]] = {}
+        self._local = threading.local()
+        self._conns: list[Any] = []
         self._engine: Engine | None = None
+        self._db_errors: tuple[type[BaseException], ...] = ()
+        self._remote = False
+        self._pending: _Batch | None = None
+        self._in_flight: asyncio.Lock | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.hits = self.misses = 0
 
     def bind(self, engine: Engine) -> None:
         """The catalog the hit path reads generations from (set when the app starts)."""
         self._engine = engine
+        self._db_errors = (engine.dialect.dbapi.Error,)
+        self._remote = engine.dialect.name == "postgresql"
+        if self._remote:  # one thread, so one connection, for the batched lookups
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptd-resume-gen")
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._drop_connection_all()
 
     @staticmethod
-    def generation(s: Session | Connection, run_name: str) -> tuple | None:
-        """(run id, generation) of a run, None if there is no such run."""
-        row = s.execute(_GENERATION_SQL, {"name": run_name}).first()
+    def generation(s: Session, run_name: str) -> tuple | None:
+        """(run id, generation) of a run, None if there is no such run (inside an ORM session)."""
+        row = s.execute(text(_GENERATION_SQL.format(param=":name")), {"name": run_name}).first()
         return None if row is None else (row[0], row[1] or 0)
 
-    def current(self, run_name: str, opts: ResumeOptions, s: Session | None = None) -> bytes | None:
-        """The cached answer if it is still current, else None (the caller computes it): one
-        indexed lookup, in ``s`` or on a pooled connection. A lookup that fails is a miss: the
-        full path answers, with its error handling."""
+    # --- hit path --------------------------------------------------------------------------------
+
+    def _entry(self, run_name: str, opts: ResumeOptions) -> tuple[tuple, float, bytes] | None:
         if opts.skip_spikes or self._engine is None:
             return None
         with self._lock:
             hit = self._entries.get((run_name, opts))
-        if hit is None or time.monotonic() - hit[1] >= self.ttl:
-            return None
-        try:
-            if s is not None:
-                gen = self.generation(s, run_name)
-            else:
-                with self._engine.connect() as conn:
-                    gen = self.generation(conn, run_name)
-        except SQLAlchemyError:
-            return None
+        return hit if hit is not None and time.monotonic() - hit[1] < self.ttl else None
+
+    def _served(self, hit: tuple[tuple, float, bytes], gen: tuple | None) -> bytes | None:
         if gen is None or gen != hit[0]:
             return None
         with self._lock:
             self.hits += 1
         return hit[2]
+
+    async def current(self, run_name: str, opts: ResumeOptions) -> bytes | None:
+        """The cached answer if it is still current, else None (the caller computes it)."""
+        hit = self._entry(run_name, opts)
+        if hit is None:
+            return None
+        if not self._remote:
+            return self.cached(run_name, opts)
+        generations = await self._batched_lookup(run_name)
+        return None if generations is None else self._served(hit, generations.get(run_name))
+
+    def cached(self, run_name: str, opts: ResumeOptions) -> bytes | None:
+        """:meth:`current` with a lookup on the caller's thread (blocking; fine for SQLite)."""
+        hit = self._entry(run_name, opts)
+        if hit is None:
+            return None
+        try:
+            gen = self._lookup(run_name)
+        except self._db_errors:  # a broken or busy connection: drop it, let the full path answer (and report)
+            self._drop_connection()
+            return None
+        return self._served(hit, gen)
+
+    async def _batched_lookup(self, run_name: str) -> dict[str, tuple] | None:
+        batch = self._pending
+        if batch is None:
+            batch = self._pending = _Batch()
+            batch.task = asyncio.get_running_loop().create_task(self._run_batch(batch))  # referenced: never collected
+        batch.names.add(run_name)
+        return await asyncio.shield(batch.done)  # a client hanging up must not cancel the others' lookup
+
+    async def _run_batch(self, batch: _Batch) -> None:
+        if self._in_flight is None:
+            self._in_flight = asyncio.Lock()
+        async with self._in_flight:
+            self._pending = None  # closed: whoever arrives from now on waits for the next lookup
+            try:
+                found = await asyncio.get_running_loop().run_in_executor(self._executor, self._lookup_many, batch.names)
+            except (*self._db_errors, RuntimeError):  # RuntimeError: executor shut down
+                self._drop_connection_all()
+                found = None
+            batch.done.set_result(found)
+
+    def _lookup_many(self, names: set[str]) -> dict[str, tuple]:
+        conn = self._connection()
+        with conn.cursor() as cur:
+            cur.execute(_GENERATIONS_PG, (sorted(names),))
+            return {name: (run_id, gen or 0) for name, run_id, gen in cur.fetchall()}
+
+    def _connection(self) -> Any:
+        """This thread's own DB-API connection for generation lookups, opened on first use."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            assert self._engine is not None, "ResumeCache.bind(engine) was not called"
+            pooled = self._engine.raw_connection()  # connect-time setup (SQLite pragmas) included
+            conn = pooled.driver_connection
+            pooled.detach()  # ours for good: not returned to (nor counted by) the engine's pool
+            if self._remote:
+                conn.autocommit = True  # every lookup sees the latest commit; never idle in transaction
+                conn.execute("SET statement_timeout = '5s'")
+            else:
+                conn.execute("PRAGMA busy_timeout = 100")  # runs on the event loop: never wait long
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _lookup(self, run_name: str) -> tuple | None:
+        conn = self._connection()
+        cur = conn.cursor()
+        try:
+            cur.execute(_GENERATION_SQL.format(param="%s" if self._remote else "?"), (run_name,))
+            row = cur.fetchone()
+        finally:
+            cur.close()
+        return None if row is None else (row[0], row[1] or 0)
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with self._lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _drop_connection_all(self) -> None:
+        """After a failed batched lookup: the next one reconnects (its thread finds no connection)."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._local = threading.local()
 
     # --- miss path -------------------------------------------------------------------------------
 
