@@ -147,6 +147,11 @@ class Watcher:
         self.busy_since: float | None = None  # when the ingest thread began its current batch (/healthz)
         self._rescan_now = False
         self.ready = threading.Event()  # set after the first full rescan
+        # what the settled barrier (ckptd.service.settled) reads: rescans by the order they started,
+        # the newest that finished without an error, and the paths being examined right now
+        self._rescan_seq = 0
+        self._rescan_ok = 0
+        self._in_hand: list[str] = []
 
     def poke(self, path: str, delay: float | None = None) -> None:
         self.poke_many([path], delay)
@@ -172,15 +177,32 @@ class Watcher:
 
     def poke_rescan(self) -> None:
         """Run a full rescan on the ingest thread now (on-demand reconciliation)."""
-        with self._cond:
-            self._rescan_now = True
-            self._busy = True  # counts as work until the loop picks it up
-            self._cond.notify()
+        self.rescan_fence()
 
     def idle(self) -> bool:
         """No event waiting and nothing being examined right now (for tests and graceful stops)."""
         with self._cond:
             return not self._due and not self._busy
+
+    def rescan_fence(self) -> int:
+        """Ask for a full rescan now; :meth:`rescanned_since` of the number returned is true once a
+        rescan that *started* after this call finished without an error -- every file on disk by
+        now was then examined (or, still being written, put back in :meth:`examining`)."""
+        with self._cond:  # one hold: the rescan asked for cannot start between the request and the count
+            self._rescan_now = True
+            self._busy = True  # counts as work until the loop picks it up
+            self._cond.notify()
+            return self._rescan_seq + 1  # the next rescan to start; the one running (if any) started before
+
+    def rescanned_since(self, fence: int) -> bool:
+        with self._cond:
+            return self._rescan_ok >= fence
+
+    def examining(self, prefix: str) -> int:
+        """Paths at or below ``prefix`` waiting for their examination or being examined right now."""
+        below = prefix.rstrip("/") + "/"
+        with self._cond:
+            return sum(1 for p in (*self._pending, *self._in_hand) if p.startswith(below) or p == below[:-1])
 
     def start(self) -> None:
         # Events first, then the ingest thread's initial rescan: a file written in between is
@@ -221,9 +243,15 @@ class Watcher:
                 self._rescan_now = False
                 self._busy = True  # set under the lock: idle() never sees popped-but-unprocessed work
                 self.busy_since = time.monotonic()
+                self._in_hand = batch  # likewise for examining(): a popped path is still being examined
+                if rescan:
+                    self._rescan_seq += 1
+                    seq = self._rescan_seq
             try:
                 if rescan:
-                    self._safe(self._rescan)
+                    if self._safe(self._rescan):
+                        with self._cond:
+                            self._rescan_ok = seq  # after its unsettled paths were put back in _pending
                     next_rescan = time.monotonic() + self.rescan_interval
                 if batch:
                     self._examine(batch)
@@ -231,6 +259,7 @@ class Watcher:
                 with self._cond:
                     self._busy = self._rescan_now
                     self.busy_since = None
+                    self._in_hand = []
 
     def _rescan(self) -> None:
         report = self.ingestor.rescan(should_stop=lambda: self._stop)
@@ -262,8 +291,10 @@ class Watcher:
                 self.poke(path, self.settle_seconds)
 
     @staticmethod
-    def _safe(fn) -> None:  # noqa: ANN001
+    def _safe(fn) -> bool:  # noqa: ANN001
         try:
             fn()
+            return True
         except Exception:  # the catalog may be briefly unreachable; the next rescan repairs
             log.exception("ingest step failed; will retry on the next rescan")
+            return False

@@ -133,6 +133,24 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
+def wait_for_rescans(source, n: int = 2, timeout: float = 60.0) -> int:
+    """Wait until the daemon has completed ``n`` more full rescans of its root; the count then.
+
+    For a test that asserts something did *not* happen: every file a rescan lists was looked at
+    (and, in-process, every event poked before the call was examined), so "nothing changed" means
+    ckptd saw it and did nothing, not that it had not got round to it yet. ``source`` is an
+    in-process daemon (its watcher's counter; also waits for its watcher to be idle: events due
+    are examined) or a callable returning the counter (``/healthz``'s ``rescans`` of a server
+    process). The counter counts rescans *completed*: one may be running now, begun before the
+    call, so ``n`` >= 2 for at least one that began after it."""
+    watcher = getattr(source, "watcher", None)
+    count = (lambda: watcher.rescans) if watcher is not None else source
+    target = count() + n
+    done = (lambda: count() >= target and watcher.idle()) if watcher is not None else (lambda: count() >= target)
+    wait_for(done, timeout, what=f"{n} more full rescans")
+    return count()
+
+
 def wait_or_stop(daemon, predicate, timeout: float, what: str):
     """:func:`wait_for` on a started in-process daemon, stopping it if the wait fails; the daemon."""
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from ckptd import confine
 from tests.daemon_helpers import (fast_settings, query, save_shard, save_tp_step, started_daemon, step_states, wait_for,
-                                  write_tp_strategy)
+                                  wait_for_rescans, write_tp_strategy)
 
 
 # --- the one function ------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_symlinks_are_never_followed_at_start_or_while_running(ms, root, outside
         (outside / "passwd").write_text("root:x:0:0:SECRET-CONTENT:/root:/bin/sh\n")
         os.symlink(outside / "passwd", root / "run1" / "strategy.ckpt")
         d.watcher.poke(str(root / "run1" / "strategy.ckpt"))
-        time.sleep(1.5)
+        wait_for_rescans(d)  # the event examined and a whole rescan since: neither read it
         assert query(catalog_url, "SELECT count(*) FROM strategy_files") == [(0,)]
     finally:
         d.stop()
@@ -131,7 +131,7 @@ def test_hostile_names_get_one_reason_and_no_traceback(ms, root, catalog_url, ca
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"} and
                  len(query(catalog_url, "SELECT id FROM checkpoints")) == 2, 60, what="both runs' steps")
-        time.sleep(1.5)  # several rescans
+        wait_for_rescans(d, 3)  # two whole rescans at least, after both steps were in: nothing more is said
     finally:
         d.stop()
     assert query(catalog_url, "SELECT r.name, c.expected_ranks, c.state FROM checkpoints c JOIN runs r ON r.id = c.run_id "
@@ -164,7 +164,7 @@ def test_a_step_waiting_for_a_file_ckptd_never_reads_says_why(ms, root, outside,
             return {run: (state, reason) for run, state, reason in rows} if len(rows) == 4 and all(
                 reason for _, _, reason in rows) else None
         got = wait_for(reasons, 60, what="every waiting step to say why")
-        time.sleep(1.2)  # more rescans: reasons and log lines once
+        wait_for_rescans(d, 3)  # two whole rescans more at least: reasons and log lines once
         assert reasons() == got
     finally:
         d.stop()

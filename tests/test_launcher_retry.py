@@ -25,7 +25,7 @@ import pytest
 
 from tests import trainer_helpers as th
 from tests.daemon_helpers import wait_for
-from trainer.oracle import OracleError, OracleUnavailable, ask_http, check_ready, wait_for_verdicts
+from trainer.oracle import OracleError, OracleUnavailable, ask_http, check_ready, wait_settled
 from tests.api_helpers import free_port, stop_process
 
 STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
@@ -252,17 +252,21 @@ def test_a_ckptd_still_in_its_first_rescan_is_waited_for(canned):
         check_ready(f"http://127.0.0.1:{free_port()}")
 
 
-def test_settle_raises_unavailable_only_when_asked_to(tmp_path):
-    run_dir = tmp_path / "run"
-    for r in range(2):
-        (run_dir / f"rank_{r}").mkdir(parents=True)
-        (run_dir / f"rank_{r}" / "llama-1_3.ckpt").write_bytes(b"x")
-        (run_dir / f"rank_{r}" / "llama-1_3.ckpt.done").write_text("{}")
-    url = f"http://127.0.0.1:{free_port()}"
-    res = wait_for_verdicts(url, "run", str(run_dir), 2, timeout=0.3, poll=0.1)  # the old contract: keeps waiting
-    assert not res.settled and res.states == {(1, 3): "unknown"}
-    with pytest.raises(OracleUnavailable):  # at the first refused connection, not after the 30 s
-        wait_for_verdicts(url, "run", str(run_dir), 2, timeout=30, poll=0.1, raise_unavailable=True)
+def test_the_settled_barrier_tells_unavailable_from_refused_and_malformed(canned):
+    """A ckptd that cannot be asked is reported at once (the launcher's back-off waits for it, and
+    logs it), not waited for inside the barrier; a refused token or a non-answer stops at once."""
+    t0 = time.monotonic()
+    with pytest.raises(OracleUnavailable, match="unreachable"):  # at the first refused connection, not after 30 s
+        wait_settled(f"http://127.0.0.1:{free_port()}", "run", timeout=30)
+    assert time.monotonic() - t0 < 30
+    for status in (500, 503):
+        with pytest.raises(OracleUnavailable, match=f"HTTP {status}"):
+            wait_settled(canned(status, b"{}"), "run", timeout=30)
+    for status, body in ((401, b"{}"), (403, b"{}"), (404, b"not ckptd"), (200, b"<html>"), (200, b"[1]"),
+                         (200, b'{"settled": true}')):
+        with pytest.raises(OracleError) as err:
+            wait_settled(canned(status, body), "run", timeout=30)
+        assert not isinstance(err.value, OracleUnavailable), (status, body)
 
 
 def _launch_quick(run_dir: Path, url: str, *launch_args: str, tp: int = 2, dp: int = 1) -> tuple[int, str, float]:

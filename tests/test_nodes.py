@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,9 @@ import pytest
 from ckptd.catalog.db import make_engine, upgrade
 from ckptd.states import ShardState
 from tests.api_helpers import free_port, stop_process
-from tests.daemon_helpers import query, rank_tensors, save_shard, started_daemon, wait_for, write_tp_strategy
+from tests.daemon_helpers import (
+    query, rank_tensors, save_shard, started_daemon, wait_for, wait_for_rescans, write_tp_strategy,
+)
 
 TP = 4
 ADMIN = "node-test-admin"
@@ -124,7 +125,8 @@ def test_a_step_split_across_two_nodes_is_restorable_and_ownership_holds(ms, tmp
         assert answer["step"] == 20 and answer["unreachable_nodes"] == []
         assert {e["rank"]: e["node"] for e in answer["shards"]} == {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
         # several rescans of each daemon: nobody marks the other node's files deleted (the bug: they flapped)
-        time.sleep(3.5)
+        for node in (a, b):
+            wait_for_rescans(lambda: node.get("/healthz").json()["rescans"], 3)
         assert _states(pg_url) == {10: "verified", 20: "verified"}
         assert query(pg_url, "SELECT count(*) FROM verification_events WHERE outcome = 'deleted'") == [(0,)]
         assert query(pg_url, "SELECT count(*) FROM shards WHERE state <> 'verified'") == [(0,)]
@@ -140,7 +142,7 @@ def test_a_step_split_across_two_nodes_is_restorable_and_ownership_holds(ms, tmp
         b.kill()  # node B's daemon dies with its node
         wait_for(lambda: not {n["name"]: n for n in a.get("/v1/nodes").json()}["node-b"]["reachable"], 30, 0.2,
                  "node-b unreachable")
-        time.sleep(2.5)  # rescans of node A meanwhile
+        wait_for_rescans(lambda: a.get("/healthz").json()["rescans"])  # a whole rescan of node A meanwhile
         assert _states(pg_url) == {10: "verified", 20: "verified"}  # unreachable, not deleted
         answer = a.get("/v1/runs/run/resume", lease="false").json()
         assert answer["step"] == 20 and answer["unreachable_nodes"] == ["node-b"]

@@ -135,7 +135,7 @@ def ask_oracle(args, world: int, attempt: int, log: Log) -> ResumeAnswer:
 def ask_ckptd(args, world: int, attempt: int, log: Log, timeout: float = 10.0) -> ResumeAnswer:
     """One round with ckptd: ready (first rescan done), settle, ask, and (another layout) get a
     re-sharded copy."""
-    answer = ask_ckptd_once(args.ckptd_url, args.run_name, args.run_dir, world, args.settle_timeout, timeout, log,
+    answer = ask_ckptd_once(args.ckptd_url, args.run_name, world, args.settle_timeout, timeout, log,
                             attempt)
     target = job_layout_hash(args)
     if in_other_layout(answer, target):

@@ -8,17 +8,15 @@ import os
 
 from ckptd import runlayout
 from ckptd.launcher.oracle import (  # noqa: F401 -- re-exported: trainer.* and the tests import them from here
-    FINAL_STATES,
     OracleError,
     OracleUnavailable,
     ResumeAnswer,
     interpret_answer,
     ask_http,
     check_ready,
-    committed_saves,
-    committed_steps,
-    wait_for_verdicts,
+    wait_settled,
 )
+from trainer.scan_resume import committed_saves, committed_steps  # noqa: F401 -- the trainer's view of its saves
 
 
 def ask_local_scan(run_dir: str, tp: int, dp: int) -> ResumeAnswer:

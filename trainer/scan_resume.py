@@ -22,7 +22,6 @@ import sys
 import xxhash
 
 from ckptd import runlayout
-from trainer.checkpoint import strategy_path
 
 
 def shard_intact(path: str) -> bool:
@@ -52,25 +51,56 @@ def _content_step(path: str) -> int | None:
         return None
 
 
-def scan(run_dir: str, world: int) -> dict:
-    layout = runlayout.detect_layout(run_dir)
-    dirs = runlayout.rank_dirs(run_dir, layout)
-    # (prefix, epoch, step) -> rank -> path; restart number per identity
+def saves_on_disk(run_dir: str, world: int) -> dict[tuple[str, int, int], dict[int, str]]:
+    """The trainer's ``.ckpt`` saves in the run directory: (prefix, epoch, step) -> rank -> path,
+    newest first (of two restarts' saves of one (epoch, step), the later restart's first)."""
+    dirs = runlayout.rank_dirs(run_dir)
     saves: dict[tuple[str, int, int], dict[int, str]] = {}
     restart: dict[tuple[str, int, int], int] = {}
     for rank in range(world):
-        d = dirs.get(rank)
-        for name in os.listdir(d) if d is not None else ():
+        try:
+            names = os.listdir(dirs[rank]) if rank in dirs else []
+        except OSError:  # a rank directory gone or unreadable: that rank saved nothing we can use
+            names = []
+        d = dirs.get(rank, "")
+        for name in names:
             parsed = runlayout.parse_shard_name(name, rank)
             if parsed is None or parsed[3] or parsed[4] != "ckpt":  # breakpoint / safetensors: not ours
                 continue
             key = (parsed[0], parsed[1], parsed[2])
             saves.setdefault(key, {})[rank] = os.path.join(d, name)
             restart[key] = parsed[5] or 0
+    return {k: saves[k] for k in sorted(saves, key=lambda k: (k[1], k[2], restart[k]), reverse=True)}
+
+
+def committed_saves(run_dir: str, world: int) -> list[tuple[str, int, int]]:
+    """(prefix, epoch, step) of every save all ranks committed (``.done`` sidecar, or MindSpore's
+    final ``chmod 0400``), newest first: what the tests and the chaos bench compare ckptd with."""
+    return [key for key, shards in saves_on_disk(run_dir, world).items()
+            if len(shards) == world and all(_committed(p) for p in shards.values())]
+
+
+def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
+    """(epoch, step) of :func:`committed_saves`, once each even when several restarts saved it."""
+    return list(dict.fromkeys((epoch, step) for _, epoch, step in committed_saves(run_dir, world)))
+
+
+def _committed(path: str) -> bool:
+    try:
+        return os.path.exists(path + runlayout.SIDECAR_SUFFIX) or not os.stat(path).st_mode & 0o222
+    except OSError:
+        return False
+
+
+def scan(run_dir: str, world: int) -> dict:
+    from trainer.checkpoint import strategy_path  # numpy and the strategy writer: only the scan needs them
+
+    layout = runlayout.detect_layout(run_dir)
+    saves = saves_on_disk(run_dir, world)
     # MindFormers: the directory of per-rank files (what ckptd catalogues their merge under)
     strategy = runlayout.rank_strategies_dir(run_dir) if layout == runlayout.MINDFORMERS else strategy_path(run_dir, 0)
     skipped = []
-    for key in sorted(saves, key=lambda k: (k[1], k[2], restart[k]), reverse=True):
+    for key in saves:
         prefix, epoch, name_step = key
         shards = saves[key]
         missing = [r for r in range(world) if r not in shards]

@@ -9,8 +9,9 @@ from fastapi import APIRouter, Query, Request
 from ckptd.api.deps import AdminScope, ReadScope, RunName, SessionDep, Step
 from ckptd.api.errors import responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
-from ckptd.api.schemas import JobOut, MarkRequest, RunOut, ShardOut, StepDetailOut, StepOut, VerifyRequest
+from ckptd.api.schemas import JobOut, MarkRequest, RunOut, SettledOut, ShardOut, StepDetailOut, StepOut, VerifyRequest
 from ckptd.service import catalog
+from ckptd.service.settled import Barrier
 from ckptd.states import StepState
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=responses(401, 403, 422))
@@ -27,6 +28,19 @@ def list_runs(s: SessionDep, _: ReadScope) -> list[dict[str, Any]]:
 @router.get("/{run}", response_model=RunOut, responses=_RUN)
 def get_run(run: RunName, s: SessionDep, _: ReadScope) -> dict[str, Any]:
     return catalog.run_dict(s, catalog.get_run(s, run))
+
+
+@router.get("/{run}/settled", response_model=SettledOut, responses=_RUN)
+async def settled(
+    run: RunName, request: Request, _: ReadScope,
+    wait: float = Query(default=10.0, ge=0, le=600, description="answer as soon as settled, at most this many "
+                                                                "seconds later (then settled: false)"),
+) -> dict[str, Any]:
+    """Has ckptd judged everything committed under the run up to now? (the launcher asks before resuming)"""
+    d = request.app.state.daemon
+    settings = request.app.state.settings
+    barrier = Barrier(d.sessions, d.watcher, str(settings.root), settings.node_name, settings.node_timeout)
+    return await barrier.wait(run, wait)
 
 
 @router.get("/{run}/steps", response_model=list[StepOut], responses=_RUN)

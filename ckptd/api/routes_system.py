@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
-from sqlalchemy import func, select
 
 from ckptd.api.routes_nodes import node_metric_lines
 from ckptd.api.deps import AdminScope, JobId, ReadScope, RunName, SessionDep
@@ -16,12 +15,11 @@ from ckptd.api.errors import responses, text_route_responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.promtext import sample
 from ckptd.api.schemas import GcOut, GcRequest, HealthzOut, JobOut
+from ckptd.catalog import reads
 from ckptd.catalog.db import probe
-from ckptd.catalog.models import Checkpoint, Run, Shard
 from ckptd.policy import RetentionPolicy
 from ckptd.service import jobs as jobs_svc
 from ckptd.service.retention import gc
-from ckptd.states import StepState
 
 router = APIRouter(tags=["system"])
 
@@ -58,7 +56,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# HELP ckptd_shards Shards in the catalog by state.",
         "# TYPE ckptd_shards gauge",
     ]
-    for state, n in s.execute(select(Shard.state, func.count()).group_by(Shard.state)).all():
+    for state, n in reads.shard_state_counts(s).items():
         lines.append(sample("ckptd_shards", n, state=state))
     lines += [
         "# HELP ckptd_shards_verified_total Shards verified since start.",
@@ -96,13 +94,7 @@ def metrics(request: Request, s: SessionDep, _: ReadScope) -> str:
         "# TYPE ckptd_recovery_point_seconds gauge",
     ]
     now = datetime.now(timezone.utc)
-    latest = s.execute(
-        select(Run.name, func.max(Checkpoint.updated_at))
-        .join(Checkpoint, Checkpoint.run_id == Run.id)
-        .where(Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained")
-        .group_by(Run.name)
-    ).all()
-    for name, at in latest:
+    for name, at in reads.latest_verified_at(s):
         at = at if at.tzinfo else at.replace(tzinfo=timezone.utc)
         lines.append(sample("ckptd_recovery_point_seconds", f"{(now - at).total_seconds():.3f}", run=name))
     lines += node_metric_lines(s, request.app.state.settings.node_timeout)

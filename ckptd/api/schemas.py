@@ -246,6 +246,40 @@ class GcOut(_Out):
                                                                    "would be)")
 
 
+class SettledStep(_Out):
+    step: int = Field(description="the step in the file names")
+    epoch: int
+    training_step: int | None = Field(description="the step as users count training (see StepOut)")
+    label: str = Field(description="the step in one token, as log lines name it")
+    state: str
+
+
+class Unjudged(_Out):
+    node: str | None = Field(description="the node that saw the files (null: a row from before nodes)")
+    reachable: bool | None = Field(description="its heartbeat is within node_timeout (null: no such node registered)")
+    shards: int = Field(description="its shards of the run without a verdict")
+    steps: list[str] = Field(description="the steps they belong to (labels); a step whose shards all have their "
+                                         "verdict but whose step checks are due counts here with 0 shards")
+    blocking: bool = Field(description="whether this holds the barrier: only a reachable node will judge soon")
+
+
+class SettledOut(_Out):
+    run: str
+    settled: bool = Field(description="ckptd has judged everything committed under the run up to the question: "
+                                      "this node examined every file there (a rescan started after the question "
+                                      "finished, nothing waits for examination) and no reachable node holds a "
+                                      "catalogued shard or step of the run without a verdict")
+    node: str = Field(description="the node answering; files on other nodes' disks that their daemon has not "
+                                  "catalogued yet are not known here")
+    waited: float = Field(description="seconds the answer waited")
+    rescanned: bool = Field(description="a rescan that started after the question finished")
+    examining: int = Field(description="paths under the run waiting for (or in) their examination on this node")
+    catalogued: bool = Field(description="false: the catalog has no such run (nothing under the root holds it)")
+    steps: list[SettledStep] = Field(description="the run's newest trained steps, newest first, down to the newest "
+                                                 "verified one")
+    unjudged: list[Unjudged] = Field(description="what the catalog holds without a verdict, per node")
+
+
 class HealthzOut(_Out):
     status: str = Field(description="ok when the catalog takes writes and the workers make progress; "
                                     "catalog_unavailable (HTTP 503) when the catalog is read-only, gone, locked or "

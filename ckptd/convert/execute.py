@@ -43,7 +43,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptd import confine
+from ckptd import confine, procs
 from ckptd.convert.assemble import ArrayEnd, ArrayStart, BufferSet, Pipeline, Stopped, ValueItem
 from ckptd.convert.plan import ConversionPlan, ConvertError, RankPlan
 from ckptd.convert.sources import (  # re-exported: callers import them from here
@@ -220,13 +220,8 @@ def _clean_stale(out_fd: int) -> None:
         m = re.fullmatch(re.escape(TMP_PREFIX) + r"(.+)-(\d+)-[0-9a-f]+", name)
         if m is None or m.group(1) != host:
             continue
-        try:
-            os.kill(int(m.group(2)), 0)
-            continue  # still running
-        except ProcessLookupError:
+        if not procs.alive(int(m.group(2))):
             shutil.rmtree(name, dir_fd=out_fd, ignore_errors=True)  # descriptor-based: never follows a link inside
-        except PermissionError:
-            continue
 
 
 def open_out_dir(out: str) -> int:

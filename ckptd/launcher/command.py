@@ -154,7 +154,7 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
     def once(timeout: float) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
         # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
-        answer = ask_ckptd_once(url, spec.run_name, spec.run_dir, spec.world, spec.settle_timeout, timeout, log,
+        answer = ask_ckptd_once(url, spec.run_name, spec.world, spec.settle_timeout, timeout, log,
                                 attempt, spec.exclude_unreachable)
         unreachable = (answer.body or {}).get("unreachable_nodes")
         if unreachable:  # the job would load shards from a node whose daemon is silent: say so

@@ -32,7 +32,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from ckptd import runlayout, stepname
+from ckptd import runlayout
 
 
 @dataclass(frozen=True)
@@ -206,73 +206,50 @@ def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
     return interpret_answer(body, world, "resume-cmd")
 
 
-# --- waiting for ckptd to catch up with the disk ---------------------------------------------------
-
-#: a step state that will not change by itself any more (see ckptd/states.py)
-FINAL_STATES = frozenset({"verified", "corrupt", "deleted", "deleting"})
-
-
-def committed_saves(run_dir: str, world: int) -> list[tuple[str, int, int]]:
-    """(prefix, epoch, step) of every save committed on disk by all ranks, newest first -- the step's
-    identity as ckptd catalogues it (:mod:`ckptd.runlayout`: the prefix without the MindFormers rank
-    tag, with its restart suffix ``_k``; epoch and step from the file name). Either layout, detected
-    per run; ``_breakpoint`` files are never trained saves.
-
-    A shard is committed once it has its ``.done`` sidecar or MindSpore's final ``chmod 0400`` (done
-    right after its tmp -> final rename; a rank killed between that and its sidecar leaves exactly
-    this). Only the files' presence and mode: whether they are intact is ckptd's verdict, not ours.
-    """
-    return [key for key, _ in _committed(run_dir, world)]
+# --- the saves on disk, for the fresh-start guard only ---------------------------------------------
 
 
 def committed_save_files(run_dir: str, world: int) -> list[str]:
-    """Rank 0's file of every committed save (see committed_saves), newest first, relative to the run dir."""
-    return [os.path.relpath(path, run_dir) for _, path in _committed(run_dir, world)]
+    """Every save committed on disk, newest first, as one path relative to the run dir each: rank
+    0's file of a save in ``rank_<r>/`` directories (native or MindFormers, ``.ckpt`` or
+    ``.safetensors``) committed by all ``world`` ranks, or a Checkpoint 2.0 iteration directory
+    holding ``common.json`` and every model file its names promise. Paths are read through
+    :mod:`ckptd.runlayout`; ``_breakpoint`` saves are never trained ones.
 
-
-def _committed(run_dir: str, world: int) -> list[tuple[tuple[str, int, int], str]]:
-    dirs = runlayout.rank_dirs(run_dir)
-    seen: dict[tuple[str, int, int], int] = {}
-    restart: dict[tuple[str, int, int], int] = {}
-    first: dict[tuple[str, int, int], str] = {}
-    for rank in range(world):
-        d = dirs.get(rank)
+    Only for :mod:`ckptd.launcher.freshstart` ("never a silent fresh start"), which needs to see
+    saves exactly when ckptd does not know the run: whether ckptd has judged them is asked of
+    ckptd (:func:`wait_settled`), never derived here. A shard is committed once it has its
+    ``.done`` sidecar or MindSpore's final ``chmod 0400`` (its presence and mode only)."""
+    root = os.path.dirname(os.path.abspath(run_dir))
+    saves: dict[tuple[str, int, int, int], dict[int, str]] = {}  # (prefix, epoch, step, incarnation) -> rank -> path
+    whole: list[tuple[tuple[int, int, int], str]] = []  # ((epoch, step, incarnation), path)
+    for directory, layout in runlayout.shard_dirs(run_dir).shard_dirs:
         try:
-            names = set(os.listdir(d)) if d is not None else None
+            names = set(os.listdir(directory))
         except OSError:
-            names = None
-        if names is None:
-            return []
-        for name in names:
-            parsed = runlayout.parse_shard_name(name, rank)
-            if parsed is None or parsed[3] or parsed[4] != "ckpt":
-                continue
-            if name + runlayout.SIDECAR_SUFFIX in names or _read_only(os.path.join(d, name)):
-                key = (parsed[0], parsed[1], parsed[2])
-                seen[key] = seen.get(key, 0) + 1
-                restart[key] = parsed[5] or 0
-                if rank == 0:
-                    first[key] = os.path.join(d, name)
-    done = [k for k, n in seen.items() if n == world]
-    # of two restarts' saves of one (epoch, step), the later restart's first
-    return [(k, first[k]) for k in sorted(done, key=lambda k: (k[1], k[2], restart[k]), reverse=True)]
+            continue
+        shards = [(n, kind) for n in names if isinstance(kind := runlayout.classify(root, os.path.join(directory, n)),
+                                                          runlayout.ShardName) and not kind.breakpoint]
+        if layout == runlayout.CKPT2:
+            if _whole_iteration([kind for _, kind in shards]):
+                whole.append(((0, shards[0][1].step, 0), directory))
+            continue
+        for name, kind in shards:
+            path = os.path.join(directory, name)
+            if name + runlayout.SIDECAR_SUFFIX in names or _read_only(path):
+                saves.setdefault((kind.prefix, kind.epoch, kind.step, kind.incarnation or 0), {})[kind.rank] = path
+    whole += [((epoch, step, inc), got[0]) for (_, epoch, step, inc), got in saves.items()
+              if all(r in got for r in range(world))]
+    whole.sort(key=lambda e: e[0], reverse=True)  # of two restarts' saves of one (epoch, step), the later first
+    return [os.path.relpath(path, run_dir) for _, path in whole]
 
 
-def committed_steps(run_dir: str, world: int) -> list[tuple[int, int]]:
-    """(epoch, step) of every save committed on disk by all ranks, newest first (see committed_saves;
-    one entry per (epoch, step) even when several restarts saved it)."""
-    out: list[tuple[int, int]] = []
-    for _, epoch, step in committed_saves(run_dir, world):
-        if (epoch, step) not in out:
-            out.append((epoch, step))
-    return out
-
-
-def _int_or_none(value: object) -> int | None:
-    try:
-        return int(value) if value is not None else None  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return None
+def _whole_iteration(files: list[runlayout.ShardName]) -> bool:
+    """A Checkpoint 2.0 iteration holding ``common.json`` and every model file its names promise."""
+    model = {f.rank for f in files if f.role == "model"}
+    totals = {f.total for f in files if f.role == "model"}
+    return (any(f.role == "common" for f in files) and len(totals) == 1
+            and all(runlayout.iteration_slot("model", i) in model for i in range(totals.pop() or 0)))
 
 
 def _read_only(path: str) -> bool:
@@ -291,13 +268,16 @@ def _get_json(url: str, timeout: float) -> object:
         return json.loads(resp.read())
 
 
-def get_json(url: str, path: str, timeout: float) -> object:
+def get_json(url: str, path: str, timeout: float, not_found: object = OracleError) -> object:
     """``GET url+path`` (read scope: ``CKPTD_TOKEN``) as JSON: :class:`OracleUnavailable` when ckptd
-    cannot be asked now, :class:`OracleError` for any other failure (a refused token, a 4xx, not JSON)."""
+    cannot be asked now, :class:`OracleError` for any other failure (a refused token, a 4xx, not JSON)
+    -- except ckptd's own 404 ``not_found`` when ``not_found`` is given: that is returned instead."""
     target = f"{url.rstrip('/')}{path}"
     try:
         return _get_json(target, timeout)
     except urllib.error.HTTPError as err:
+        if err.code == 404 and not_found is not OracleError and _error_code(err) == "not_found":
+            return not_found
         if is_transient(err):
             raise OracleUnavailable(f"ckptd answered HTTP {err.code} to GET {target}") from None
         raise OracleError(f"ckptd answered HTTP {err.code} to GET {target}") from None
@@ -309,75 +289,71 @@ def get_json(url: str, path: str, timeout: float) -> object:
         raise OracleError(f"GET {target} failed: {type(err).__name__}: {err}") from None
 
 
+def _error_code(err: urllib.error.HTTPError) -> str | None:
+    try:
+        detail = json.loads(err.read()).get("detail")
+    except (ValueError, AttributeError, OSError, http.client.HTTPException):
+        return None
+    return detail.get("code") if isinstance(detail, dict) else None
+
+
+# --- the settled barrier: has ckptd judged everything committed up to now? ------------------------
+
+
 @dataclass(frozen=True)
 class Settled:
     settled: bool
     waited: float
-    #: (epoch, step) -> ckptd's state for the committed saves that were looked at, newest first
-    states: dict[tuple[int, int], str]
-    #: (epoch, step) -> the save as users count it, for log lines (:func:`ckptd.stepname.label`)
-    labels: dict[tuple[int, int], str] = field(default_factory=dict)
+    #: the run's newest steps as ckptd judged them, newest first, down to the newest verified one:
+    #: (the step as users count it, :func:`ckptd.stepname.label`; its state)
+    steps: list[tuple[str, str]] = field(default_factory=list)
+    #: what held the barrier, in words ("" once settled)
+    outstanding: str = ""
 
 
-def wait_for_verdicts(url: str, run: str, run_dir: str, world: int, timeout: float, poll: float = 0.25,
-                      raise_unavailable: bool = False) -> Settled:
-    """Wait until ckptd has a final verdict on the newest save that is committed on disk.
+#: the longest one question to the barrier waits (a proxy in front of ckptd may cut longer requests)
+SETTLE_CHUNK = 30.0
 
-    The job was just stopped: its last save may have been renamed and sidecar'd a moment ago and ckptd
-    (settling, verifying) not have caught up. Asking the oracle right away would be answered -- safely
-    -- with an older step and lose work. So walk the committed saves newest first: a verified one ends
-    the walk (the oracle will see it), a corrupt/deleted one moves on to the next, anything else
-    (unknown to ckptd, incomplete, pending) means wait. Never longer than ``timeout``; ckptd stays the
-    judge of what is restorable either way.
 
-    ``raise_unavailable``: a ckptd that cannot be asked (see :func:`is_transient`) raises
-    :class:`OracleUnavailable` instead of being waited for here (the launcher then waits with
-    back-off and logs it), and a refused token raises :class:`OracleError`; a run ckptd does not
-    know yet (404) is still waited for.
-    """
+def wait_settled(url: str, run: str, timeout: float) -> Settled:
+    """Wait (at most ``timeout`` s) until ckptd has judged everything committed under ``run`` up to
+    now: ``GET /v1/runs/{run}/settled`` (read scope; :mod:`ckptd.service.settled`), which answers
+    from ckptd's own ingest and verification, for every layout and format.
+
+    The job was just stopped: its last save may have been renamed a moment ago and ckptd (settling,
+    verifying) not have caught up. Asking the oracle right away would be answered -- safely -- with
+    an older step and lose work. ckptd stays the judge of what is restorable either way.
+
+    Raises :class:`OracleUnavailable` when ckptd cannot be asked (the launcher waits with back-off
+    and logs it), :class:`OracleError` for a refused token or an answer that is not one."""
     t0 = time.monotonic()
-    base = f"{url.rstrip('/')}/v1/runs/{run}/steps"
-    states: dict[tuple[int, int], str] = {}
     while True:
-        candidates = committed_saves(run_dir, world)
+        wait = max(0.0, min(SETTLE_CHUNK, timeout - (time.monotonic() - t0)))
+        doc = get_json(url, f"/v1/runs/{run}/settled?wait={wait:.3f}", timeout=wait + 30.0, not_found=None)
+        if doc is None:  # after a rescan, nothing under ckptd's root holds the run: nothing to judge
+            return Settled(True, time.monotonic() - t0)
         try:
-            rows = _get_json(f"{base}?limit=1000", timeout=5.0)
-            trained = [r for r in rows if r.get("kind", "trained") == "trained"]
-            known = {(r.get("prefix"), int(r["epoch"]), int(r["step"])): str(r["state"]) for r in trained}
-            seen_as = {(int(r["epoch"]), int(r["step"])): r.get("training_step") for r in trained}
-        except urllib.error.HTTPError as err:
-            if raise_unavailable and err.code in (401, 403):
-                raise OracleError(f"ckptd answered HTTP {err.code} to GET {base}") from None
-            if raise_unavailable and is_transient(err):
-                raise OracleUnavailable(f"ckptd answered HTTP {err.code}") from None
-            known, seen_as = {}, {}  # run not catalogued yet (404): keep waiting
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            if raise_unavailable:
-                raise OracleUnavailable(f"ckptd unreachable: {_reason(err)}") from None
-            known, seen_as = {}, {}  # ckptd briefly unreachable: keep waiting
-        except (ValueError, KeyError, TypeError, AttributeError):
-            known, seen_as = {}, {}  # an answer this version does not understand: the oracle still decides
-        by_name: dict[tuple[int, int], list[str]] = {}
-        for (_, epoch, step), state in known.items():
-            by_name.setdefault((epoch, step), []).append(state)
-        states, settled = {}, True
-        for prefix, epoch, step in candidates:
-            state = known.get((prefix, epoch, step))
-            if state is None:  # a row without (or with another spelling of) the prefix: only if unambiguous
-                same = by_name.get((epoch, step), [])
-                state = same[0] if len(same) == 1 else "unknown"
-            states.setdefault((epoch, step), state)
-            if state == "verified":
-                break
-            if state not in FINAL_STATES:
-                states[(epoch, step)] = state
-                settled = False
-                break
+            settled = doc["settled"] is True  # type: ignore[index]
+            steps = [(str(s["label"]), str(s["state"])) for s in doc["steps"]]  # type: ignore[index]
+            outstanding = "" if settled else _outstanding(doc)  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as err:
+            raise OracleError(f"ckptd: malformed answer to GET /v1/runs/{run}/settled ({err!r})") from None
         waited = time.monotonic() - t0
         if settled or waited >= timeout:
-            labels = {k: stepname.label(None, _int_or_none(seen_as.get(k)), *k) for k in states}
-            return Settled(settled, waited, states, labels)
-        time.sleep(poll)
+            return Settled(settled, waited, steps, outstanding)
+
+
+def _outstanding(doc: dict) -> str:
+    said = []
+    if not doc.get("rescanned"):
+        said.append(f"node {doc.get('node')}: its rescan since the question has not finished")
+    if doc.get("examining"):
+        said.append(f"node {doc.get('node')}: {doc['examining']} paths wait for examination")
+    for u in doc.get("unjudged") or []:
+        if isinstance(u, dict) and u.get("blocking"):
+            said.append(f"node {u.get('node')}: {u.get('shards')} shards without a verdict "
+                        f"(steps {', '.join(map(str, (u.get('steps') or [])[:5]))})")
+    return "; ".join(said)
 
 
 # --- elastic restart: asking ckptd to re-shard a step for the job's layout ------------------------

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ckptd import procs
 from ckptd.launcher.freshstart import FreshStart
 from ckptd.launcher.heartbeat import exit_path, heartbeat_path
 from ckptd.launcher.oracle import (
@@ -38,7 +39,7 @@ from ckptd.launcher.oracle import (
     ResumeAnswer,
     ask_http,
     check_ready,
-    wait_for_verdicts,
+    wait_settled,
 )
 
 #: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
@@ -98,25 +99,8 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+    children = procs.children()
     out, todo = [], [root]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -198,7 +182,7 @@ class Job:
                 if code:
                     return "failed", Failure(r, exits[r].get("step"), f"rank process exited with "
                                              f"{_signal_name(code)} after its clean exit marker")
-            if any(hb is not None and _alive(int(hb["pid"])) for hb in beats.values()):
+            if any(hb is not None and procs.alive(int(hb["pid"])) for hb in beats.values()):
                 first, self.finishing = self.finishing is None, self.finishing or now
                 return ("finishing" if first else "running"), None
             self.all_exited = self.all_exited or now
@@ -207,7 +191,7 @@ class Job:
             return "running", None
         dead = []
         for r, hb in beats.items():
-            if hb is not None and exits[r] is None and not _alive(int(hb["pid"])):
+            if hb is not None and exits[r] is None and not procs.alive(int(hb["pid"])):
                 dead.append((r, hb))
         if dead:
             codes = self._reaped_codes([int(hb["pid"]) for _, hb in dead])
@@ -309,28 +293,28 @@ def ask_patiently(once: Callable[[float], T], wait: float, backoff: float, backo
         return answer
 
 
-def ask_ckptd_once(url: str, run: str, run_dir: str, world: int, settle_timeout: float, timeout: float, log: Log,
+def ask_ckptd_once(url: str, run: str, world: int, settle_timeout: float, timeout: float, log: Log,
                    attempt: int, exclude_unreachable: bool = False) -> ResumeAnswer:
     """One round with ckptd: ready (first rescan done), settle, ask -- naming the job's world size,
     so ckptd says where a copy re-sharded for it is, if it has one."""
     check_ready(url, timeout=min(5.0, timeout))
     if settle_timeout > 0:
-        settle(url, run, run_dir, world, settle_timeout, log, attempt)
+        settle(url, run, settle_timeout, log, attempt)
     return ask_http(url, run, world, timeout=timeout, world_size=world, exclude_unreachable=exclude_unreachable)
 
 
-def settle(url: str, run: str, run_dir: str, world: int, timeout: float, log: Log, attempt: int) -> None:
-    """Give ckptd time to judge the save the job finished just before it died (see wait_for_verdicts)."""
-    res = wait_for_verdicts(url, run, run_dir, world, timeout, raise_unavailable=True)
-    if not res.states:
-        return  # nothing committed on disk: nothing to wait for
-    seen = ", ".join(f"{res.labels.get(key, key[1])}={state}" for key, state in res.states.items())
+def settle(url: str, run: str, timeout: float, log: Log, attempt: int) -> None:
+    """Give ckptd time to judge the save the job finished just before it died (see wait_settled)."""
+    res = wait_settled(url, run, timeout)
+    if res.settled and not res.steps:
+        return  # nothing of the run anywhere: nothing to wait for
+    seen = ", ".join(f"{label}={state}" for label, state in res.steps)
     if res.settled:
         log(attempt=attempt, event="catalog_settled", waited=f"{res.waited:.1f}s", steps=seen,
             reason="ckptd has judged the newest committed save")
     else:
         log(attempt=attempt, event="catalog_lagging", waited=f"{res.waited:.1f}s", steps=seen,
-            reason="ckptd has not judged the newest committed save in time; asking anyway")
+            reason=f"ckptd has not judged the newest committed save in time ({res.outstanding}); asking anyway")
 
 
 def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAnswer],

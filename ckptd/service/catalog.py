@@ -10,10 +10,11 @@ import math
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, StrategyFile, as_utc
+from ckptd.catalog import reads
+from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, as_utc
+from ckptd.catalog.reads import shards_step_column  # noqa: F401 - service.resume still imports it from here
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
 from ckptd import stepname
@@ -34,7 +35,7 @@ def iso_time(dt: datetime | None) -> str | None:
 
 
 def get_run(s: Session, name: str) -> Run:
-    run = s.execute(select(Run).where(Run.name == name)).scalar_one_or_none()
+    run = reads.run_named(s, name)
     if run is None:
         raise NotFoundError(f"no run named {name!r} in the catalog")
     return run
@@ -44,29 +45,16 @@ def get_step(s: Session, run: Run, step: int, kind: str = "trained") -> Checkpoi
     """A step by its training step: the global step its files record, or — not verified yet —
     the step in its file names (MindFormers names count within the epoch). Of two saves of one
     step (two incarnations after a restart) the newer is meant."""
-    rows = s.execute(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == run.id, Checkpoint.kind == kind,
-               or_(Checkpoint.global_step == step, and_(Checkpoint.global_step.is_(None), Checkpoint.step == step)))
-        .order_by(Checkpoint.global_step.is_(None), Checkpoint.epoch.desc(), Checkpoint.incarnation.desc())
-    ).scalars().all()
+    rows = reads.steps_at(s, run.id, step, kind)
     if not rows:
         raise NotFoundError(f"run {run.name!r} has no {kind} checkpoint at step {step}")
     return rows[0]
 
 
 def run_dict(s: Session, run: Run) -> dict[str, Any]:
-    counts = dict(
-        s.execute(select(Checkpoint.state, func.count()).where(Checkpoint.run_id == run.id).group_by(Checkpoint.state)).all()
-    )
-    latest = s.execute(
-        select(Checkpoint.step, Checkpoint.updated_at)
-        .where(Checkpoint.run_id == run.id, Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained")
-        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc())
-        .limit(1)
-    ).first()
-    nodes = dict(s.execute(select(Shard.node, func.count()).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
-        Checkpoint.run_id == run.id, Shard.state != "deleted").group_by(Shard.node)).all())
+    counts = reads.step_state_counts(s, run.id)
+    latest = reads.latest_verified_step(s, run.id)
+    nodes = reads.live_shards_per_node(s, run.id)
     return {
         "name": run.name,
         "path": run.path,
@@ -91,15 +79,7 @@ def list_nodes(s: Session, timeout: float) -> list[dict[str, Any]]:
 
 
 def list_runs(s: Session) -> list[dict[str, Any]]:
-    return [run_dict(s, r) for r in s.execute(select(Run).order_by(Run.name)).scalars()]
-
-
-def shards_step_column():
-    """A step's global step, or for a step not checked as a whole yet (a torn save's surviving
-    shards) the one its verified shards hold: the subquery runs only where the step's own is NULL
-    (COALESCE evaluates lazily on SQLite and PostgreSQL)."""
-    return func.coalesce(Checkpoint.global_step, select(func.max(Shard.global_step)).where(
-        Shard.checkpoint_id == Checkpoint.id, Shard.state == ShardState.VERIFIED.value).scalar_subquery())
+    return [run_dict(s, r) for r in reads.runs(s)]
 
 
 def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[Shard] | None = None,
@@ -156,11 +136,8 @@ def list_steps(s: Session, run_name: str, state: str | None = None, limit: int =
         raise InvalidRequestError(
             f"unknown state {state!r}", hint="one of " + ", ".join(v.value for v in StepState)
         )
-    q = select(Checkpoint, shards_step_column()).where(Checkpoint.run_id == run.id)
-    if state:
-        q = q.where(Checkpoint.state == state)
-    rows = s.execute(q.order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc()).limit(limit)).all()
-    paths = _strategy_paths(s, {c.strategy_id for c, _ in rows if c.strategy_id})
+    rows = reads.steps_with_shards_step(s, run.id, state, limit)
+    paths = reads.strategy_paths(s, {c.strategy_id for c, _ in rows if c.strategy_id})
     return [step_dict(c, strategy_path=paths.get(c.strategy_id), shards_step=seen) for c, seen in rows]
 
 
@@ -171,22 +148,15 @@ def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict
 
     run = get_run(s, run_name)
     c = get_step(s, run, step)
-    shards = s.execute(select(Shard).where(Shard.checkpoint_id == c.id)).scalars().all()
+    shards = reads.shards_of(s, c.id)
     seen = max((sh.global_step for sh in shards if sh.global_step is not None and sh.state == ShardState.VERIFIED.value),
                default=None)
-    doc = step_dict(c, strategy_path=_strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards),
+    doc = step_dict(c, strategy_path=reads.strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards),
                     shards_step=seen)
     known = nodes.statuses(s, node_timeout)
     for sh in doc["shards"]:
         sh["reachable"] = known[sh["node"]].reachable if sh["node"] in known else None
     return doc
-
-
-def _strategy_paths(s: Session, ids: set[int | None]) -> dict[int, str]:
-    ids = {i for i in ids if i}
-    if not ids:
-        return {}
-    return dict(s.execute(select(StrategyFile.id, StrategyFile.path).where(StrategyFile.id.in_(ids))).all())
 
 
 # --- operator actions and health ---------------------------------------------------------------
@@ -208,7 +178,7 @@ def report_health(s: Session, run_name: str, step: int, loss: float | None, grad
     """Upsert one step's training health. NaN/inf are meaningful (divergence) and stored as such."""
     if step < 0:
         raise InvalidRequestError("step must be >= 0")
-    run = s.execute(select(Run).where(Run.name == run_name)).scalar_one_or_none()
+    run = reads.run_named(s, run_name)
     if run is None:
         from ckptd.catalog.repo import get_or_create_run
 
@@ -220,7 +190,7 @@ def report_health(s: Session, run_name: str, step: int, loss: float | None, grad
     }
     inserted = insert_ignore(s, StepHealth, {"run_id": run.id, "step": step, **values}, ["run_id", "step"])
     if not inserted:
-        row = s.execute(select(StepHealth).where(StepHealth.run_id == run.id, StepHealth.step == step)).scalar_one()
+        row = reads.health_row(s, run.id, step)
         for k, v in values.items():
             setattr(row, k, v)
 
@@ -235,12 +205,7 @@ def _nonfinite(x: float | None) -> str | None:
 
 def health_rows(s: Session, run_id: int) -> list[tuple[int, float | None, float | None, bool]]:
     """Every reported step's (step, loss, grad_norm, overflow), NaN/inf restored."""
-    rows = s.execute(
-        select(StepHealth.step, StepHealth.loss, StepHealth.loss_nonfinite, StepHealth.grad_norm,
-               StepHealth.grad_norm_nonfinite, StepHealth.overflow)
-        .where(StepHealth.run_id == run_id)
-        .order_by(StepHealth.step)
-    ).all()
+    rows = reads.health_values(s, run_id)
     return [(step, float(lnf) if lnf else loss, float(gnf) if gnf else gn, ov) for step, loss, lnf, gn, gnf, ov in rows]
 
 

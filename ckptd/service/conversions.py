@@ -28,12 +28,11 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
-from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard, StrategyFile, as_utc
+from ckptd import confine, procs, runlayout
+from ckptd.catalog import jobrows, repo
+from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, StrategyFile, as_utc
 from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, encode_strategy, load_strategy, parse_strategy_bytes
@@ -58,27 +57,20 @@ def check_source(s: Session, run_name: str, step: int) -> tuple[Checkpoint, dict
             raise InvalidRequestError(_not_restorable(s, run_name, step, saves or [ckpt]),
                                       hint="convert a restorable step (see `ckptd ls RUN --state verified`)")
         ckpt = verified[0]  # two saves of one step (a restart): the restorable one is meant
-    files = dict(s.execute(select(Shard.rank, Shard.path).where(
-        Shard.checkpoint_id == ckpt.id, Shard.state == ShardState.VERIFIED.value)).all())
+    files = jobrows.verified_files(s, ckpt.id)
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
     return ckpt, files, strategy
 
 
 def _saves_of(s: Session, run: Run, step: int) -> list[Checkpoint]:
     """Every trained save ``get_step`` could mean by ``step``, newest first."""
-    from sqlalchemy import and_, or_
-
-    return list(s.execute(select(Checkpoint).where(
-        Checkpoint.run_id == run.id, Checkpoint.kind == "trained",
-        or_(Checkpoint.global_step == step, and_(Checkpoint.global_step.is_(None), Checkpoint.step == step)),
-    ).order_by(Checkpoint.epoch.desc(), Checkpoint.incarnation.desc(), Checkpoint.id.desc())).scalars())
+    return jobrows.trained_saves(s, run.id, step)
 
 
 def _state_detail(s: Session, ckpt: Checkpoint) -> str:
     """What keeps a save from being restorable, in the words of its state."""
     state = ckpt.state
-    ranks = dict(s.execute(select(Shard.rank, Shard.state).where(
-        Shard.checkpoint_id == ckpt.id, Shard.state != ShardState.SUPERSEDED.value)).all())
+    ranks = jobrows.rank_states(s, ckpt.id)
     if state == StepState.INCOMPLETE.value:
         present = {r for r, st in ranks.items() if st != ShardState.DELETED.value}
         if ckpt.reason:
@@ -261,17 +253,13 @@ def convert_step(
 def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
     """The finished conversion of this step into this layout at ``out``, if its files are still
     the ones catalogued (converted copies are not watched, so check size/mtime/inode here)."""
-    copy = s.execute(select(Checkpoint).where(
-        Checkpoint.derived_from_id == src_id, Checkpoint.kind == "converted", Checkpoint.layout == target_hash,
-        Checkpoint.state == StepState.VERIFIED.value)).scalars().first()
+    copy = jobrows.verified_copy(s, src_id, target_hash)
     if copy is None:
         return None
-    job = s.execute(select(ConversionJob).where(
-        ConversionJob.output_checkpoint_id == copy.id, ConversionJob.state == "done", ConversionJob.out_dir == out,
-    ).order_by(ConversionJob.id.desc())).scalars().first()
+    job = jobrows.finished_conversion(s, copy.id, out)
     if job is None:
         return None
-    shards = s.execute(select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode).where(Shard.checkpoint_id == copy.id)).all()
+    shards = jobrows.shard_stats(s, copy.id)
     if not shards or any(stat_of(p) != repo.FileStat(size, mtime, inode) for p, size, mtime, inode in shards):
         return None  # changed or gone: converting again will say what is in the way
     return conversion_dict(job, s) | {"reused": True}
@@ -294,7 +282,7 @@ def conversion_dict(row: ConversionJob, s: Session) -> dict[str, Any]:
 
 def list_conversions(s: Session, run_name: str) -> list[dict[str, Any]]:
     run = get_run(s, run_name)
-    rows = s.execute(select(ConversionJob).where(ConversionJob.run_id == run.id).order_by(ConversionJob.id.desc())).scalars()
+    rows = jobrows.conversions_of_run(s, run.id)
     return [conversion_dict(r, s) for r in rows]
 
 
@@ -320,10 +308,8 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
     now = now or datetime.now(timezone.utc)
     cleanups: list[tuple[int | None, str, Callable[[str, int], bool]]] = []  # (row id, out_dir, which temp trees)
     with sessions.begin() as s:
-        q = select(ConversionJob).where(ConversionJob.state.in_(jobs.ACTIVE)).order_by(ConversionJob.id)
-        rows = s.execute(repo.for_update(q, s)).scalars().all()
-        earlier = s.execute(select(ConversionJob.id, ConversionJob.out_dir).where(
-            ConversionJob.state == "failed", ConversionJob.error.startswith("abandoned: "))).all() if sweep_earlier else []
+        rows = jobrows.lock_active_conversions(s, jobs.ACTIVE)
+        earlier = jobrows.abandoned_conversions(s) if sweep_earlier else []
         if not rows and not earlier:
             return report  # the usual case: nothing to judge, one query
         links = jobs.conversion_links(s)
@@ -370,8 +356,7 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
             report["refused"] += refused
         if conv_id is not None and partial:
             with sessions() as s:
-                catalogued = {os.path.relpath(p, out).split(os.sep)[0] for p in s.execute(select(Shard.path).where(
-                    Shard.path.startswith(os.path.join(out, ""), autoescape=True))).scalars()}
+                catalogued = {os.path.relpath(p, out).split(os.sep)[0] for p in jobrows.shard_paths_under(s, out)}
             partial = sorted(set(partial) - catalogued)
             if partial:
                 notes[conv_id] = (f"partial output {partial} left in {out} (not catalogued; remove it before "
@@ -398,15 +383,7 @@ def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
     me = jobs.this_machine()["host"]
 
     def dead_here(h: str, p: int) -> bool:
-        if h != me:
-            return False
-        try:
-            os.kill(p, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
+        return h == me and not procs.alive(p)
 
     return dead_here
 

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import repo
+from ckptd.catalog import jobrows, reads, repo
 from ckptd.catalog.models import Checkpoint, Shard
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import MAX_STRATEGY_BYTES
@@ -110,9 +109,7 @@ def discard(out_fd: int, report: Any, strategy_name: str | None) -> None:
 
 def _copy_of(s: Session, meta: tuple, target_hash: str, lock: bool = False) -> Checkpoint | None:
     run_id, prefix, epoch, step, _ = meta
-    q = select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.prefix == prefix, Checkpoint.epoch == epoch,
-                                 Checkpoint.step == step, Checkpoint.kind == "converted", Checkpoint.layout == target_hash)
-    return s.execute(repo.for_update(q, s) if lock else q).scalars().first()
+    return jobrows.copy_row(s, run_id, prefix, epoch, step, target_hash, lock)
 
 
 def blocking_copy(s: Session, meta: tuple, target_hash: str, node: str) -> str | None:
@@ -125,8 +122,7 @@ def blocking_copy(s: Session, meta: tuple, target_hash: str, node: str) -> str |
 def _why_kept(s: Session, copy: Checkpoint, node: str) -> str | None:
     if copy.state in LOST_STATES:
         return None  # the daemon judged its files: gone or broken
-    rows = s.execute(select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.node).where(
-        Shard.checkpoint_id == copy.id)).all()
+    rows = jobrows.shard_stats_and_nodes(s, copy.id)
     where = os.path.dirname(os.path.dirname(rows[0][0])) if rows else "?"
     if copy.state != StepState.VERIFIED.value:
         return f"the converted copy of this step in this layout ({where}) is {copy.state}; try again once it is not"
@@ -166,7 +162,7 @@ def register(sessions: sessionmaker[Session], meta: tuple, src_id: int, target: 
         ckpt.expected_ranks = target.world_size if target is not None else 1
         ckpt.strategy_id, ckpt.step_checks_ok, ckpt.derived_from_id, ckpt.updated_at = strat_id, True, src_id, now
         s.flush()
-        old = {sh.rank: sh for sh in s.execute(select(Shard).where(Shard.checkpoint_id == ckpt.id)).scalars()}
+        old = {sh.rank: sh for sh in reads.shards_of(s, ckpt.id)}
         for f in files:
             sh = old.get(f.rank) or Shard(checkpoint_id=ckpt.id, rank=f.rank, quarantined=False)
             sh.path, sh.size, sh.mtime_ns, sh.inode, sh.digest = f.path, f.stat.size, f.stat.mtime_ns, f.stat.inode, f.digest

@@ -13,10 +13,9 @@ import os
 import stat
 from typing import Any
 
-from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from ckptd.catalog.models import Run, StepHealth
+from ckptd.catalog import reads
 from ckptd.catalog.repo import get_or_create_run
 from ckptd.service.catalog import NotFoundError, get_run, report_health
 
@@ -34,7 +33,7 @@ def run_directory(root: str, run_name: str) -> str | None:
 
 def report(s: Session, root: str, run_name: str, step: int, loss: float | None, grad_norm: float | None,
            overflow: bool) -> None:
-    if s.execute(select(Run.id).where(Run.name == run_name)).first() is None:
+    if reads.run_named(s, run_name) is None:
         path = run_directory(root, run_name)
         if path is None:
             raise NotFoundError(
@@ -49,10 +48,5 @@ def report(s: Session, root: str, run_name: str, step: int, loss: float | None, 
 def clear(s: Session, run_name: str, from_step: int | None = None) -> dict[str, Any]:
     """Remove the run's health records at or after ``from_step`` (all of them when None)."""
     run = get_run(s, run_name)
-    where = [StepHealth.run_id == run.id]
-    if from_step is not None:
-        where.append(StepHealth.step >= from_step)
-    nonfinite = s.execute(select(func.count()).select_from(StepHealth)
-                          .where(*where, StepHealth.loss_nonfinite.is_not(None))).scalar_one()
-    removed = s.execute(delete(StepHealth).where(*where)).rowcount
+    removed, nonfinite = reads.delete_health(s, run.id, from_step)
     return {"run": run_name, "from_step": from_step, "removed": removed, "nonfinite_removed": nonfinite}

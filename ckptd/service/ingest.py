@@ -18,13 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import layout_history, repo, verdicts
+from ckptd.catalog import layout_history, reads, repo, scanrows, verdicts
 from ckptd.catalog.nodes import NodeView
-from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
+from ckptd.catalog.models import Run, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
@@ -141,10 +140,7 @@ class Ingestor:
         if not runs:
             return []
         with self.sessions() as s:
-            return list(s.execute(
-                select(Checkpoint.id).join(Run, Checkpoint.run_id == Run.id).where(
-                    Run.name.in_(runs), Checkpoint.state == StepState.PENDING.value, Checkpoint.step_checks_ok.is_(None))
-            ).scalars())
+            return scanrows.steps_awaiting_checks(s, runs)
 
     @staticmethod
     def _tally(outcomes: dict[str, str], report: ScanReport) -> None:
@@ -160,14 +156,8 @@ class Ingestor:
         superseded) ones, and complete ones (they parsed at ingest and only wait for verification)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
-            rows = s.execute(
-                select(Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.id, Shard.state, Shard.node,
-                       Shard.verified_config, Shard.error_code).where(
-                    Shard.path.startswith(prefix, autoescape=True),
-                    Shard.state.in_((ShardState.VERIFIED.value, ShardState.CORRUPT.value, ShardState.COMPLETE.value,
-                                     ShardState.SUPERSEDED.value)),
-                )
-            ).all()
+            rows = scanrows.shard_stats_below(s, prefix, (ShardState.VERIFIED.value, ShardState.CORRUPT.value,
+                                                          ShardState.COMPLETE.value, ShardState.SUPERSEDED.value))
         return {p: (size, mtime, inode, sid, self._state_now(state, stamp, code), node)
                 for p, size, mtime, inode, sid, state, node, stamp, code in rows}
 
@@ -228,7 +218,7 @@ class Ingestor:
             return "ignored"
         outcome = self.examine(shard_path)
         with self.sessions() as s:
-            shard_id = s.execute(select(Shard.id).where(Shard.path == shard_path)).scalar_one_or_none()
+            shard_id = scanrows.shard_id_at(s, shard_path)
         if shard_id is not None and outcome == "same":
             self.submit([shard_id])
         return outcome
@@ -349,12 +339,8 @@ class Ingestor:
                 now, older = at_path[0], [r.id for r in at_path[1:] if r.content_hash != at_path[0].content_hash]
                 if not now.valid or not older:
                     continue
-                written_after = select(Shard.id).where(
-                    Shard.checkpoint_id == Checkpoint.id, Shard.mtime_ns >= now.appeared_ns,
-                    Shard.rank < now.world_size)
-                candidates.update(s.execute(select(Checkpoint.id).where(
-                    Checkpoint.run_id == run_id, Checkpoint.kind.in_(RESAVABLE_KINDS),
-                    Checkpoint.strategy_id.in_(older), written_after.exists())).scalars())
+                candidates.update(scanrows.resaved_candidates(s, run_id, older, now.appeared_ns, now.world_size,
+                                                              RESAVABLE_KINDS))
         for ckpt_id in sorted(candidates):  # one transaction per step: it locks that one row (and its history)
             with self.sessions.begin() as s:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)
@@ -371,16 +357,14 @@ class Ingestor:
         by_ckpt: dict[int, list[str]] = {}
         with self.sessions() as s:
             for i in range(0, len(paths), _BATCH):
-                rows = s.execute(select(Shard.path, Shard.checkpoint_id).where(Shard.path.in_(paths[i : i + _BATCH]))).all()
-                for path, ckpt_id in rows:
+                for path, ckpt_id in scanrows.checkpoints_of(s, paths[i : i + _BATCH]):
                     by_ckpt.setdefault(ckpt_id, []).append(path)
         owner = self.nodes.owner()
         for ckpt_id in sorted(by_ckpt):
             with self.sessions.begin() as s:
                 ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-                gone = [sh for sh in s.execute(select(Shard).where(
-                    Shard.path.in_(by_ckpt[ckpt_id]), Shard.state != ShardState.DELETED.value)).scalars()
-                    if owner.may_judge_gone(sh.node)]  # not seeing another node's file proves nothing
+                gone = [sh for sh in scanrows.undeleted_shards_at(s, by_ckpt[ckpt_id])
+                        if owner.may_judge_gone(sh.node)]  # not seeing another node's file proves nothing
                 for shard in gone:
                     repo.mark_deleted(s, shard)
                     out[shard.path] = "deleted"
@@ -394,10 +378,7 @@ class Ingestor:
         disk their files are simply not ours to see (they keep their last verdict)."""
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
-            known = s.execute(
-                select(Shard.path).where(Shard.state != ShardState.DELETED.value, Shard.path.startswith(prefix, autoescape=True),
-                                         owner.judged_clause())
-            ).scalars().all()
+            known = scanrows.judged_paths_below(s, prefix, owner)
         gone = [p for p in known if p not in seen and not os.path.exists(p)]
         return sum(outcome == "deleted" for outcome in self._vanished_many(gone).values())
 
@@ -406,9 +387,7 @@ class Ingestor:
         unreachable one (a shared filesystem outlives its node) are this node's from now on."""
         for i in range(0, len(paths), _BATCH):
             with self.sessions.begin() as s:
-                s.execute(update(Shard).where(
-                    Shard.path.in_(paths[i : i + _BATCH]),
-                    or_(Shard.node.is_(None), Shard.node.in_(sorted(owner.dead)))).values(node=owner.node))
+                scanrows.claim_paths(s, paths[i : i + _BATCH], owner)
 
     # --- strategies ----------------------------------------------------------------------------
 
@@ -462,11 +441,10 @@ class Ingestor:
     def _ingest_health(self, run_name: str) -> str:
         """MindFormers' health records changed: (re)mark the run's steps they call abnormal."""
         with self.sessions.begin() as s:
-            run = s.execute(select(Run).where(Run.name == run_name)).scalar_one_or_none()
+            run = reads.run_named(s, run_name)
             if run is None:
                 return "same"  # no step yet: each new step reads the records itself
-            steps = s.execute(select(Checkpoint).where(
-                Checkpoint.run_id == run.id, Checkpoint.kind.in_(RESAVABLE_KINDS))).scalars().all()
+            steps = scanrows.steps_of_kinds(s, run.id, RESAVABLE_KINDS)
             runhints.apply_health(self.root, run, steps)
         return "same"
 
@@ -483,15 +461,7 @@ class Ingestor:
 
     def shards_to_reverify(self, run: str, step: int | None = None) -> list[int]:
         with self.sessions() as s:
-            q = (
-                select(Shard.id)
-                .join(Checkpoint, Shard.checkpoint_id == Checkpoint.id)
-                .join(Run, Checkpoint.run_id == Run.id)
-                .where(Run.name == run, Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))
-            )
-            if step is not None:
-                q = q.where(Checkpoint.step == step)
-            return list(s.execute(q).scalars())
+            return scanrows.live_shard_ids(s, run, step)
 
 
 def _holds_a_shard(directory: str) -> bool:

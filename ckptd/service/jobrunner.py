@@ -19,10 +19,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd.catalog import repo
+from ckptd.catalog import jobrows, repo
 from ckptd.catalog.models import Job
 from ckptd.errors import CkptdError
 from ckptd.service.catalog import NotFoundError, get_run
@@ -121,7 +120,7 @@ class JobRunner:
         """Finish a job that is still queued or running: the first end wins (a job close() gave up
         on may still finish later; it must not overwrite 'interrupted by shutdown')."""
         with self.sessions.begin() as s:
-            s.execute(update(Job).where(Job.id == job_id, Job.state.in_(ACTIVE)).values(state=state, **values))
+            jobrows.end_job(s, job_id, ACTIVE, state=state, **values)
 
     def _loop(self) -> None:
         while True:

@@ -39,13 +39,12 @@ from datetime import datetime, timedelta, timezone
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Job, Run, Shard, as_utc
+from ckptd import procs
+from ckptd.catalog import jobrows, repo
+from ckptd.catalog.models import Checkpoint, Job, Run, as_utc
 from ckptd.service.catalog import NotFoundError, iso_time, get_run, get_step
-from ckptd.states import ShardState
 
 log = logging.getLogger("ckptd.jobs")
 
@@ -87,19 +86,13 @@ def get_job(s: Session, job_id: int) -> dict[str, Any]:
 
 
 def list_jobs(s: Session, limit: int = 100) -> list[dict[str, Any]]:
-    return [job_dict(j) for j in s.execute(select(Job).order_by(Job.id.desc()).limit(limit)).scalars()]
+    return [job_dict(j) for j in jobrows.recent_jobs(s, limit)]
 
 
 def select_shards(s: Session, run_name: str, step: int | None) -> tuple[Run, list[tuple[int, str, int, str | None]]]:
     """(id, path, checkpoint id, node) of the run's (or step's) live shard rows."""
     run = get_run(s, run_name)
-    q = select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.node).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
-        Checkpoint.run_id == run.id,
-        Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)),  # history rows are no steps
-    )
-    if step is not None:
-        q = q.where(Checkpoint.id == get_step(s, run, step).id)
-    return run, [tuple(r) for r in s.execute(q.order_by(Checkpoint.step, Shard.rank)).all()]
+    return run, jobrows.live_shards(s, run.id, get_step(s, run, step).id if step is not None else None)
 
 
 _CHUNK = 64  # shards re-examined and re-verified per round (one transaction per checkpoint each)
@@ -126,8 +119,7 @@ def reverify(
         # files of unowned rows or unreachable nodes that this node sees become its own here
         examine_many([path for _, path, _, node in chunk if me.may_take(node)])  # replaced/vanished files first
         with sessions() as s:
-            now_held = dict(s.execute(select(Shard.id, Shard.node).where(
-                Shard.id.in_([shard_id for shard_id, _, _, _ in chunk]))).all())
+            now_held = jobrows.shard_nodes(s, [shard_id for shard_id, _, _, _ in chunk])
         mine = [shard_id for shard_id, _, _, _ in chunk if shard_id in now_held and me.may_judge_gone(now_held[shard_id])]
         for shard_id in now_held.keys() - set(mine):
             name = now_held[shard_id] or "unclaimed"  # a pre-0006 row no node has seen yet
@@ -162,18 +154,6 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of a pid on this machine, or None."""
-    raw = _read_text(f"/proc/{int(pid)}/stat")
-    if raw is None or ")" not in raw:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 on; comm may hold spaces
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 @functools.cache
 def this_machine() -> dict[str, str | None]:
     """Host, boot id and PID namespace: what makes a recorded pid meaningful here."""
@@ -187,9 +167,9 @@ def this_machine() -> dict[str, str | None]:
 def process_owner(node: str | None = None) -> dict[str, Any]:
     """This process, as recorded on the jobs it runs (JSON-able)."""
     m = this_machine()
-    stat = _proc_stat(os.getpid())
+    stat = procs.stat(os.getpid())
     return {"node": node or os.environ.get("CKPTD_NODE_NAME") or m["host"], "host": m["host"], "pid": os.getpid(),
-            "start": stat[1] if stat else None, "boot": m["boot"], "pidns": m["pidns"]}
+            "start": stat.start if stat else None, "boot": m["boot"], "pidns": m["pidns"]}
 
 
 def same_pid_space(owner: dict[str, Any]) -> bool:
@@ -212,15 +192,8 @@ def owner_gone(owner: dict[str, Any] | None, updated_at: datetime | None, now: d
         return None
     who = _describe(owner)
     if same_pid_space(owner):
-        stat = _proc_stat(int(owner.get("pid") or 0))
-        if stat is None:
-            return f"{who} is not running"
-        state, start = stat
-        if state in ("Z", "X"):
-            return f"{who} has exited"
-        if owner.get("start") is not None and start != owner["start"]:
-            return f"{who} is not running (the pid belongs to a newer process)"
-        return None
+        why = procs.why_gone(int(owner.get("pid") or 0), owner.get("start"))
+        return f"{who} {why}" if why is not None else None
     if age > timeout:
         return f"{who} renewed nothing for {age:.0f} s (limit {timeout:g} s)"
     return None
@@ -261,7 +234,7 @@ def link_conversion(s: Session, job_id: int, conversion_id: int) -> None:
 def conversion_links(s: Session) -> dict[int, Job]:
     """conversion id -> the job that runs (or ran) it."""
     out: dict[int, Job] = {}
-    for job in s.execute(select(Job).where(Job.kind == "convert")).scalars():
+    for job in jobrows.convert_jobs(s):
         cid = job_meta(job).get("conversion_id")
         if isinstance(cid, int):
             out[cid] = job
@@ -322,8 +295,7 @@ class Heartbeat:
             ids = sorted(self._ids)
         if ids:
             with self.sessions.begin() as s:
-                s.execute(update(Job).where(Job.id.in_(ids), Job.state.in_(ACTIVE))
-                          .values(updated_at=datetime.now(timezone.utc)))
+                jobrows.renew_jobs(s, ids, ACTIVE, datetime.now(timezone.utc))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -361,8 +333,7 @@ def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: fl
     now = now or datetime.now(timezone.utc)
     report: dict[str, Any] = {"jobs": [], "conversions": [], "removed": [], "refused": [], "left": []}
     with sessions.begin() as s:
-        q = select(Job).where(Job.state.in_(ACTIVE)).order_by(Job.id)
-        for job in s.execute(repo.for_update(q, s)).scalars().all():
+        for job in jobrows.lock_active_jobs(s, ACTIVE):
             why = owner_gone(job_meta(job).get("owner"), job.updated_at, now, timeout)
             if why is not None:
                 job.state, job.error = "failed", f"abandoned: {why}"

@@ -16,11 +16,10 @@ import contextlib
 import logging
 import os
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import Session
 
 from ckptd import confine, runlayout
-from ckptd.catalog import repo
+from ckptd.catalog import repo, scanrows
 from ckptd.catalog.models import Run, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import encode_strategy, parse_strategy_bytes
@@ -70,8 +69,7 @@ def ingest(s: Session, root: str, run_name: str) -> Run:
 
 
 def _newest_rank_rows(s: Session, root: str, run: Run) -> list[StrategyFile]:
-    rows = s.execute(select(StrategyFile).where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
-                     .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())).scalars().all()
+    rows = scanrows.valid_strategies(s, run.id)
     newest: dict[str, StrategyFile] = {}
     for row in rows:
         name = runlayout.classify(root, row.path)
@@ -87,8 +85,7 @@ def _rank_of(root: str, path: str) -> int:
 
 
 def _record_invalid(s: Session, run: Run, directory: str, error: str) -> None:
-    fresh = s.execute(select(StrategyFile.id).where(
-        StrategyFile.run_id == run.id, StrategyFile.path == directory, StrategyFile.error == error)).first() is None
+    fresh = not scanrows.strategy_error_recorded(s, run.id, directory, error)
     row = repo.upsert_strategy(s, run, directory, "invalid", "unknown", 0, 0, error, None, None)
     if row.error != error:
         row.error = error  # the latest reason (a rank file may be missing now, another before)
@@ -100,11 +97,7 @@ def current(s: Session, root: str, run: Run) -> StrategyFile | None:
     """The newest valid strategy of the run's own directory: the merge of its per-rank files
     when it has them (MindFormers), else its strategy file. Conversions register the strategy
     of each copy they write for the run too; a new step is never bound to one."""
-    rows = s.execute(
-        select(StrategyFile).options(defer(StrategyFile.content))  # one query; the blobs are not needed here
-        .where(StrategyFile.run_id == run.id, StrategyFile.error.is_(None))
-        .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())
-    ).scalars().all()
+    rows = scanrows.valid_strategies(s, run.id, content=False)  # one query; the blobs are not needed here
     merged_at = runlayout.rank_strategies_dir(os.path.join(root, run.name))
     for row in rows:
         if row.path == merged_at:

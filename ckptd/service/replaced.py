@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Any
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Run, Shard
-from ckptd.states import ShardState, StepState
+from ckptd.catalog import repo, scanrows
+from ckptd.states import StepState
 
 ERROR_CODE = "replaced"
 
@@ -55,9 +54,7 @@ def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], 
     if not why:
         return []
     with sessions() as s:
-        rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.node, Shard.error).where(
-            Shard.path.in_(sorted(why)),
-            Shard.state.notin_((ShardState.DELETED.value, ShardState.SUPERSEDED.value)))).all()
+        rows = scanrows.live_rows_at(s, sorted(why))
     by_step: dict[int, list[tuple[int, str]]] = {}
     for shard_id, path, ckpt_id, node, error in rows:
         if owner.may_take(node) and error != why[path]:  # not another live node's file, not already said
@@ -67,9 +64,7 @@ def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], 
         with sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order: checkpoint, then its shards
             for shard_id, path in shards:
-                s.execute(update(Shard).where(Shard.id == shard_id).values(
-                    state=ShardState.CORRUPT.value, error_code=ERROR_CODE, error=why[path], size=0, mtime_ns=0,
-                    inode=0))
+                scanrows.mark_replaced(s, shard_id, ERROR_CODE, why[path])
                 repo.add_event(s, ckpt_id, shard_id, "rescan", "corrupt", why[path])
             ckpt.step_checks_ok = None
             repo.recompute_step_state(s, ckpt)
@@ -110,25 +105,22 @@ def note_unread(sessions: sessionmaker[Session], ignored: dict[str, runlayout.Sh
     noted = 0
     for path, name in sorted(ignored.items()):
         why = f"rank {name.rank}: {os.path.basename(path)} is {_what_it_is(path)}, not a regular file: never read"
-        noted += _note(sessions, name.run, why, Checkpoint.prefix == name.prefix, Checkpoint.epoch == name.epoch,
-                       Checkpoint.step == name.step, Checkpoint.kind == name.kind)
+        noted += _note(sessions, name.run, why, name=(name.prefix, name.epoch, name.step, name.kind))
     return noted
 
 
 def note_linked_rank_dir(sessions: sessionmaker[Session], run: str, rank: int, path: str) -> int:
     """A rank directory that is a symlink is never followed (nothing in it is catalogued): the
     run's steps waiting for that rank say so."""
-    has_rank = select(Shard.id).where(Shard.checkpoint_id == Checkpoint.id, Shard.rank == rank,
-                                      Shard.state != ShardState.DELETED.value).exists()
     return _note(sessions, run, f"rank {rank}: its directory {os.path.basename(path)} is a symlink: never followed",
-                 ~has_rank)
+                 missing_rank=rank)
 
 
-def _note(sessions: sessionmaker[Session], run: str, why: str, *where) -> int:  # noqa: ANN002 - SQL clauses
+def _note(sessions: sessionmaker[Session], run: str, why: str, **which: Any) -> int:
+    """Give ``why`` as the reason of the run's reasonless incomplete steps ``which`` names
+    (``scanrows.unexplained_incomplete``)."""
     with sessions() as s:
-        ids = s.execute(select(Checkpoint.id).join(Run, Run.id == Checkpoint.run_id).where(
-            Run.name == run, Checkpoint.state == StepState.INCOMPLETE.value, Checkpoint.reason.is_(None),
-            *where)).scalars().all()
+        ids = scanrows.unexplained_incomplete(s, run, **which)
     for ckpt_id in ids:
         with sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)

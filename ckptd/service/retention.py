@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
+from ckptd.catalog import removal, repo
+from ckptd.catalog.models import Run
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import sidecar_for
 from ckptd.service.resume import step_infos
@@ -58,8 +57,7 @@ class GcReport:
 
 def lineage_ids(s: Session) -> set[int]:
     """Steps a running conversion is reading (finished copies are deleted together with their source)."""
-    return set(s.execute(
-        select(ConversionJob.source_checkpoint_id).where(ConversionJob.state.in_(("queued", "running")))).scalars())
+    return removal.conversion_source_ids(s)
 
 
 def plan_run(s: Session, run: Run, policy: RetentionPolicy) -> tuple[list[int], dict[str, Any]]:
@@ -109,10 +107,7 @@ def sweep_torn_temps(sessions: sessionmaker[Session], root: str, grace: float, r
     seconds (a writer at work keeps writing it); only shard-named ones inside a run's shard
     directories, each removed through :mod:`ckptd.confine`, refusals reported."""
     with sessions() as s:
-        q = select(Run.path)
-        if run_name is not None:
-            q = q.where(Run.name == run_name)
-        run_paths = s.execute(q).scalars().all()
+        run_paths = removal.run_paths(s, run_name)
     before = time.time() - grace
     for run_path in run_paths:
         for d, _ in runlayout.shard_dirs(run_path).shard_dirs:
@@ -143,10 +138,7 @@ def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, 
     """Phase 1: plan every run (into ``report.plans``) and, unless ``report.dry_run``, mark the
     steps to delete ``deleting`` in the same transaction that planned (rows locked on PostgreSQL)."""
     with sessions.begin() as s:
-        q = select(Run).order_by(Run.name)
-        if run_name is not None:
-            q = q.where(Run.name == run_name)
-        runs = s.execute(q).scalars().all()
+        runs = removal.runs(s, run_name)
         if run_name is not None and not runs:
             from ckptd.service.catalog import NotFoundError
 
@@ -156,8 +148,7 @@ def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, 
             report.plans.append(doc)
             if report.dry_run or not ids:
                 continue
-            planned = select(Checkpoint).where(Checkpoint.id.in_(ids)).order_by(Checkpoint.id)
-            steps = s.execute(repo.for_update(planned, s)).scalars().all()
+            steps = removal.lock_steps(s, ids)
             for c in steps:
                 c.state = StepState.DELETING.value
             for c in steps:  # each step's history after all steps: the lock order is step, then its history
@@ -180,18 +171,17 @@ def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str]) -> l
     (a symlink, or outside the root) keeps its rows with the refusal as reason, and the refusal
     is appended to ``refused``: the caller must then keep the source's rows too."""
     removed = []
-    for copy in s.execute(select(Checkpoint).where(Checkpoint.derived_from_id == ckpt_id)).scalars().all():
-        dirs = {os.path.dirname(os.path.dirname(p)) for p in s.execute(
-            select(Shard.path).where(Shard.checkpoint_id == copy.id)).scalars()}
+    for copy in removal.copies_of(s, ckpt_id):
+        dirs = {os.path.dirname(os.path.dirname(p)) for p in removal.all_shard_paths(s, copy.id)}
         why = [w for w in (_refused(confine.rmtree_beneath, root, d) for d in sorted(dirs)) if w]
         removed += [d for d in dirs if not os.path.lexists(d)]
         if why:
             copy.reason = "; ".join(why)
             refused += why
             continue
-        s.execute(ConversionJob.__table__.delete().where(ConversionJob.output_checkpoint_id == copy.id))
-        delete_checkpoint_rows(s, copy.id)
-    s.execute(ConversionJob.__table__.delete().where(ConversionJob.source_checkpoint_id == ckpt_id))
+        removal.delete_conversions_writing(s, copy.id)
+        removal.delete_checkpoint_rows(s, copy.id)
+    removal.delete_conversions_reading(s, ckpt_id)
     return removed
 
 
@@ -206,15 +196,6 @@ def _refused(remove: Callable[[str, str], None], root: str, path: str) -> str | 
     return None
 
 
-def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
-    """A checkpoint's rows and everything that points at them (events, shards)."""
-    shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
-    s.execute(delete(VerificationEvent).where(
-        (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
-    s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
-    s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id))
-
-
 def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None,
                    owner: repo.Owner = repo.LOCAL) -> int:
     """Phases 2 and 3 for every step left in ``deleting`` (also after a crash).
@@ -225,11 +206,10 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
     with every gc and after each heartbeat)."""
     report = report or GcReport(dry_run=False)
     with sessions() as s:
-        pending = s.execute(select(Checkpoint.id).where(Checkpoint.state == StepState.DELETING.value)).scalars().all()
+        pending = removal.deleting_step_ids(s)
     for ckpt_id in pending:
         with sessions() as s:
-            rows = s.execute(select(Shard.id, Shard.path, Shard.node, Shard.state).where(
-                Shard.checkpoint_id == ckpt_id)).all()
+            rows = removal.shard_rows(s, ckpt_id)
         refused, mine = [], []
         for shard_id, path, node, state in rows:
             if state == ShardState.DELETED.value and node != owner.node:
@@ -250,18 +230,17 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
             continue  # keep the rows: an operator must look at this step
         if mine:
             with sessions.begin() as s:
-                s.execute(update(Shard).where(Shard.id.in_(mine)).values(state=ShardState.DELETED.value))
+                removal.mark_shards_deleted(s, mine)
             _remove_iteration_dirs(root, {os.path.dirname(path) for _, path, _, _ in rows})
         with sessions() as s:
-            left = s.execute(select(Shard.node).where(
-                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).scalars().all()
+            left = removal.nodes_still_holding(s, ckpt_id)
         if left:
             continue  # other nodes still hold files of it; the last one to delete removes the rows
         with sessions.begin() as s:
             refused = []
             report.deleted_files += len(delete_derived(s, ckpt_id, root, refused))
             if not refused:
-                delete_checkpoint_rows(s, ckpt_id)
+                removal.delete_checkpoint_rows(s, ckpt_id)
         if refused:
             _keep_with_reason(sessions, ckpt_id, refused, report)
             continue
@@ -273,4 +252,4 @@ def _keep_with_reason(sessions: sessionmaker[Session], ckpt_id: int, refused: li
     """A step gc could not fully delete stays ``deleting`` and says why (each gc retries it)."""
     report.refused += refused
     with sessions.begin() as s:
-        s.execute(update(Checkpoint).where(Checkpoint.id == ckpt_id).values(reason="; ".join(refused)[:2000]))
+        removal.set_reason(s, ckpt_id, "; ".join(refused)[:2000])
