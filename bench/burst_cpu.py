@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             _timed(totals, repo, name)
         for name in ("claim_verifications", "record_verifications"):
             _timed(totals, verdicts, name)
-        for name in ("_read_shard", "_maybe_check_step", "_verify_checkpoint_shards"):
-            _timed(totals, verifier.Verifier, name)
+        _timed(totals, verifier, "verify_one")
+        for name in ("check_step_if_due", "_verify_checkpoint"):
+            _timed(totals, verifier.ShardVerifier, name)
         for name in ("ready", "check", "facts_plan"):
             _timed(totals, stepjudge.StepJudge, name)
         _timed(totals, ingest.Ingestor, "_ingest_checkpoint")

@@ -64,26 +64,22 @@ def _io() -> int:
 
 
 def child(mode: str, root: str, paths: list[str], encrypted: bool) -> None:
-    from sqlalchemy.orm import sessionmaker
-
     from ckptd import confine
-    from ckptd.catalog.db import make_engine
     from ckptd.format.verify import verify_file
     from ckptd.service.stepcheck import content_step
-    from ckptd.service.verifier import Verifier, file_digest
+    from ckptd.service.verifier import ShardRules, file_digest, verify_one
     from ckptd.settings import Settings
     from ckptd.states import ShardState
 
     key_file = Path(root).parent / "key"
     key_file.write_bytes(KEY)
-    settings = Settings(root=root, db=f"sqlite:///{Path(root).parent / 'catalog.db'}", key_file=key_file if encrypted else None,
-                        verify_workers=1)
-    verifier = Verifier(settings, sessionmaker(make_engine(settings.db)))
+    settings = Settings(root=root, db=f"sqlite:///{Path(root).parent / 'catalog.db'}", key_file=key_file if encrypted else None)
+    rules = ShardRules(root, settings.encryption_key())
     io0, t0 = _io(), time.perf_counter()
     for path in paths:
-        if mode == "one-pass":  # the daemon's own per-shard check (Verifier._read_shard), as it runs now
-            out = verifier._read_shard(path, None)
-            assert out.state == ShardState.VERIFIED, out.values
+        if mode == "one-pass":  # the daemon's own per-shard check (verifier.verify_one), as it runs now
+            out = verify_one(rules, path)
+            assert out.state == ShardState.VERIFIED, out.error
             continue
         with confine.opened(root, path) as name:  # before issue 16: a digest pass, then verify_file's pass
             file_digest(name)
@@ -94,7 +90,6 @@ def child(mode: str, root: str, paths: list[str], encrypted: bool) -> None:
             report = verify_file(name, settings.encryption_key(), inspect=content_step)
         assert report.ok, report.problems
     seconds = time.perf_counter() - t0
-    verifier.close()
     print(json.dumps({"s": seconds, "read": _io() - io0}))
 
 

@@ -28,6 +28,7 @@ from tests.daemon_helpers import (
     start_daemon_process,
     step_states,
     wait_for,
+    wait_for_rescans,
     write_tp_strategy,
 )
 
@@ -200,7 +201,7 @@ def test_writer_killed_mid_save_leaves_no_shard(ms, root, catalog_url, daemon):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not final.exists()
-    time.sleep(1.0)  # > settle + rescan interval
+    wait_for_rescans(daemon)  # a whole rescan after the kill listed the torn .tmp
     daemon.verifier.drain(timeout=10)
     assert query(catalog_url, "SELECT count(*) FROM shards")[0][0] == 0
     assert tmp.exists()  # ckptd never touches the writer's leftovers
@@ -353,8 +354,10 @@ def test_step_whose_checks_never_ran_is_checked_after_restart(ms, root, catalog_
 
 
 def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
-    """The last shards of a step finish together and a rescan may ask as well: however many
-    callers ask at once, the step is checked once and ends verified (one verdict, one event)."""
+    """The last shards of a step finish together, a rescan may ask as well, and a re-verification
+    job checks on its own thread: however many callers ask at once — through the queue (one
+    worker per checkpoint) or directly — the step is checked once and ends verified (one verdict,
+    one event; the rest find it judged under the step's row lock)."""
     import threading
 
     from sqlalchemy.orm import sessionmaker
@@ -374,16 +377,17 @@ def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
     verifier = Verifier(Settings(root=root, db=catalog_url), sessionmaker(engine, expire_on_commit=False), IndexCache())
     start = threading.Barrier(8)
 
-    def ask() -> None:
+    def ask(i: int) -> None:
         start.wait()
-        verifier._maybe_check_step(ckpt_id)
+        verifier.submit_step(ckpt_id) if i % 2 else verifier.check_step_if_due(ckpt_id)
 
-    askers = [threading.Thread(target=ask) for _ in range(8)]
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
     try:
         for t in askers:
             t.start()
         for t in askers:
             t.join(60)
+        verifier.drain(timeout=60)
     finally:
         verifier.close()
         engine.dispose()

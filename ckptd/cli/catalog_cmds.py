@@ -311,11 +311,11 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
     from ckptd.cli.files import rate_text
     from ckptd.service.ingest import Ingestor
     from ckptd.service.jobs import reverify, select_shards
-    from ckptd.service.verifier import Verifier
+    from ckptd.service.verifier import ShardVerifier
 
     settings, sessions = catalog_sessions(args)
     settings = settings_from(args).model_copy(update={"db": settings.db, "root": settings.root})
-    verifier = Verifier(settings, sessions)
+    verifier = ShardVerifier(settings, sessions)  # verifies on this thread: the command starts no workers
     ingestor = Ingestor(settings, sessions, lambda _ids, **_how: None, lambda _id: None)
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
@@ -326,11 +326,8 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
             print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    try:
-        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
-                          owner=verifier.nodes.owner)
-    finally:
-        verifier.close()
+    result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
+                      owner=verifier.nodes.owner)
     seconds = time.perf_counter() - t0
     result = {**result, "bytes_verified": verifier.verified_bytes, "seconds": round(seconds, 6),
               "bytes_per_second": round(verifier.verified_bytes / seconds) if seconds > 0 else None}

@@ -1,23 +1,25 @@
-"""The verification pipeline: a bounded worker pool that turns ``complete`` shards into
-``verified`` or ``corrupt`` ones, then runs the step-level checks once a step is whole.
+"""Verification in three levels, each usable without the next:
 
-Call order: ``Verifier(settings, sessions)`` → ``submit([shard ids])`` any number of times (from
-the ingest thread; duplicates are coalesced) → ``drain()`` to wait → ``close()``. Workers take
-shards in batches: files are read outside transactions, and the verdicts for one checkpoint's
-shards are claimed and recorded in one transaction each (a 512-rank step is a burst of 512
-shards; per-shard transactions cost more than reading small shards). ``verify_shard`` and
-``check_step`` also run synchronously for on-demand re-verification.
+* ``verify_one(rules, path, ...)``, a plain function: one file below the root (read through
+  ``ckptd.confine``) → a :class:`ShardOutcome`; no catalog, no threads.
+* ``ShardVerifier``, on the caller's thread (``ckptd verify --run``, re-verification jobs):
+  ``verify_shards(ids)`` works one checkpoint at a time: claims its shards in one transaction
+  (checkpoint row locked before its shard rows), reads the files outside any, records the
+  verdicts in one (each iff the size/mtime/inode read are still the shard's), then runs the step
+  checks if due. ``check_step`` forces them.
+* ``Verifier(ShardVerifier)``, the daemon's: ``verify_workers`` threads over a
+  :class:`~ckptd.service.workqueue.KeyedQueue` keyed by checkpoint. ``submit([ids])`` /
+  ``submit_step(id)`` any time → ``drain()`` → ``close()``.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 
 import xxhash
@@ -26,18 +28,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine
 from ckptd.catalog import repo, verdicts
-from ckptd.catalog.pgbatch import any_of
-from ckptd.catalog.models import Shard, StrategyFile, as_utc
+from ckptd.catalog.models import Shard, as_utc
 from ckptd.catalog.nodes import NodeView
+from ckptd.catalog.pgbatch import any_of
 from ckptd.format import mf2
 from ckptd.format.checkpoint import CheckpointFile
 from ckptd.format.digest import StreamDigest
 from ckptd.format.index_cache import IndexCache
-from ckptd.format.strategy import Strategy
 from ckptd.format.verify import verify_file
 from ckptd.runlayout import sidecar_for
 from ckptd.service.stepcheck import ShardFacts, content_step, facts_of
 from ckptd.service.stepjudge import FactsPlan, StepJudge
+from ckptd.service.workqueue import KeyedQueue
 from ckptd.settings import Settings
 from ckptd.states import ShardState, awaits_verification
 
@@ -51,15 +53,7 @@ log = logging.getLogger("ckptd.verifier")
 #: verification of a 512-rank burst (bench/RESULTS.md, issue 16).
 FACTS_IN_PASS_BYTES = 32 << 20
 
-
-@dataclass(frozen=True)
-class _FactsJob:
-    """Facts to take of one shard while verifying it: its rank and the claim's sequence number
-    (the facts are valid for that verification only)."""
-
-    plan: FactsPlan
-    rank: int
-    seq: int
+_BATCH = 128  # shards one worker verifies and records per unit of work (one checkpoint's, one transaction)
 
 
 def file_digest(path: str) -> str:
@@ -92,15 +86,130 @@ def stat_of(path: str) -> repo.FileStat | None:
     return repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-_BATCH = 128  # shards one worker verifies and records per round (one transaction per checkpoint)
+# --- one shard ---------------------------------------------------------------------------------
 
 
-@dataclass
-class _Outcome:
-    stat: repo.FileStat | None  # None: the file is gone
-    state: ShardState | None = None  # None: the file changed while it was read
-    values: dict[str, object] = field(default_factory=dict)
+@dataclass(frozen=True)
+class ShardRules:
+    """What a shard must satisfy besides its own format, and the key to read it with."""
+
+    root: str
+    key: bytes | None = None
+    require_crc: bool = False
+    require_encryption: bool = False
+
+
+@dataclass(frozen=True)
+class FactsJob:
+    """Facts to take of one shard while verifying it: its rank and the claim's sequence number
+    (the facts are valid for that verification only)."""
+
+    plan: FactsPlan
+    rank: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What verifying one file found. ``stat`` None: the file is gone; ``state`` None: it changed
+    while it was read (verify the new version). Otherwise ``state`` is ``verified`` or ``corrupt``
+    (``error_code``/``error``: the first problem's code, every problem's message)."""
+
+    stat: repo.FileStat | None
+    state: ShardState | None = None
+    digest: str | None = None
+    format: str | None = None
+    encryption: str | None = None
+    crc: str | None = None
+    global_step: int | None = None
+    facts: str | None = None  # ``shards.facts``: taken with a facts job only
+    error_code: str | None = None
+    error: str | None = None
     seconds: float = 0.0
+
+    def columns(self) -> dict[str, object]:
+        """The verdict's shard columns (``verdicts.Verdict.values``)."""
+        return {c: getattr(self, c) for c in _OUTCOME_COLUMNS}
+
+
+_OUTCOME_COLUMNS = tuple(f.name for f in fields(ShardOutcome) if f.name not in ("stat", "state", "seconds"))
+
+
+def verify_one(rules: ShardRules, path: str, known_digest: str | None = None, facts: FactsJob | None = None,
+               index_cache: IndexCache | None = None) -> ShardOutcome:
+    """Verify the shard file ``path`` completely. ``known_digest``: the digest a verdict recorded
+    (the content must still have it); with none, this is the first verification and the record
+    index ingest parsed seconds ago (same inode, size, mtime and ctime: the same bytes as
+    written) is reused from ``index_cache``; a later one (a scrub looking for damage below the
+    file system) parses the records from the bytes again."""
+    before = stat_of(path)
+    if before is None:
+        return ShardOutcome(None)
+    t0 = time.perf_counter()
+    try:
+        # the very file that passed confinement (never a symlink, FIFO or device) is read, by
+        # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
+        with confine.opened(rules.root, path) as name:
+            found, problems = (_check_record(name, path) if path.endswith(".json")
+                               else _check_file(rules, name, path, facts, index_cache if known_digest is None else None))
+    except confine.ConfinementError as err:
+        found, problems = {"digest": known_digest}, [(err.code, err.message)]
+    except FileNotFoundError:
+        return ShardOutcome(None)
+    if known_digest is not None and found["digest"] != known_digest:
+        problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
+        found["digest"] = known_digest  # keep the evidence of what the file was
+    if stat_of(path) != before:
+        return ShardOutcome(before)  # the file changed under us: verify the new version
+    return ShardOutcome(before, ShardState.CORRUPT if problems else ShardState.VERIFIED,
+                        error_code=problems[0][0] if problems else None,
+                        error="; ".join(msg for _, msg in problems) or None, seconds=time.perf_counter() - t0, **found)
+
+
+def _check_file(rules: ShardRules, name: str, path: str, facts: FactsJob | None, index_cache: IndexCache | None,
+                ) -> tuple[dict, list[tuple[str, str]]]:
+    """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``; with
+    ``facts``, also take the step check's facts of it from the same open file."""
+    # one pass over the disk: the digest hashes the bytes the CRC / decryption reads anyway,
+    # and the step check's facts come from the index and payloads this verification opened
+    digest = StreamDigest()
+
+    def inspect(ck: CheckpointFile) -> tuple[int | None, ShardFacts | None]:
+        if facts is None or (ck.encryption is None and ck.source.size < FACTS_IN_PASS_BYTES):
+            return content_step(ck), None
+        plan = facts.plan
+        return content_step(ck), facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset)
+
+    report = verify_file(name, rules.key, require_crc=rules.require_crc, inspect=inspect, digest=digest,
+                         index_cache=index_cache)
+    found: dict = {"digest": digest.finish(name), "format": report.format, "encryption": report.encryption,
+                   "crc": report.crc}
+    if report.ok:
+        found["global_step"], taken = report.inspected
+        if taken is not None:  # taken only with a facts job
+            found["facts"] = facts.plan.encode(taken, facts.seq)
+    problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
+    hint = read_sidecar(rules.root, path)
+    if hint is not None and (hint.get("size") != os.path.getsize(name) or hint.get("xxh3_128") not in (None, found["digest"])):
+        # after the format checks: a CRC error with its byte offset says more than "differs"
+        problems.append(("sidecar_mismatch", f"differs from the trainer's .done record (size {hint.get('size')}, "
+                                             f"digest {str(hint.get('xxh3_128'))[:12]}…)"))
+    if rules.require_encryption and report.format == "ckpt" and report.encryption is None and not problems:
+        problems.append(("policy", "plaintext shard but require_encryption is set"))
+    return found, problems
+
+
+def _check_record(name: str, path: str) -> tuple[dict, list[tuple[str, str]]]:
+    """A Checkpoint 2.0 JSON record (``common.json``, ``metadata.json``): it must parse as
+    MindFormers writes it; what it says is judged with the iteration (ckptd.service.iteration)."""
+    with open(name, "rb") as fh:
+        raw = fh.read(mf2.MAX_METADATA_BYTES + 1)
+    found = {"digest": xxhash.xxh3_128_hexdigest(raw), "format": "json", "encryption": None, "crc": "absent"}
+    problem = mf2.record_problem(raw, path)
+    return found, [] if problem is None else [(problem.code, str(problem))]
+
+
+# --- a checkpoint's shards, with the catalog -----------------------------------------------------
 
 
 def _answered(ask: datetime | None, verified_at: datetime | None, awaits: bool) -> bool:
@@ -112,141 +221,101 @@ def _answered(ask: datetime | None, verified_at: datetime | None, awaits: bool) 
     return ask is None or (verified_at is not None and as_utc(verified_at) >= ask)
 
 
-class Verifier:
-    """Call order: ``submit([ids])`` / ``submit_step(id)`` any time → ``drain()`` → ``close()``."""
+def _earlier_ask(a: datetime | None, b: datetime | None) -> datetime | None:
+    """Two asks for one shard: a time asked ("again") covers "while unverified"; of two times, the earlier."""
+    return min((t for t in (a, b) if t is not None), default=None)
+
+
+class ShardVerifier:
+    """Verification on the caller's thread; the counters are what ``/metrics`` reports."""
 
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None,
                  nodes: NodeView | None = None) -> None:
-        self.settings = settings
-        self.index_cache = index_cache
-        self.sessions = sessions
+        self.sessions, self.index_cache = sessions, index_cache
         # only the node that sees a file judges it; several nodes on one shared root split the work
         self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
-        self.steps = StepJudge(settings, sessions, settings.encryption_key(), index_cache)
         self.key = settings.encryption_key()
-        self.stamp = settings.verification_stamp()
-        self._cond = threading.Condition()
-        # shard id -> its ask (see submit: None while unverified, else the time asked);
-        # insertion-ordered (FIFO) and de-duplicated
-        self._pending: dict[int, datetime | None] = {}
-        self._steps: dict[int, None] = {}  # checkpoint ids waiting for their step checks
-        self._inflight: set[int] = set()
-        self._active = 0
-        self._busy_since: dict[str, float] = {}  # worker -> when its current unit of work began
-        self._closed = False
-        self._checking: set[int] = set()
-        self._check_again: set[int] = set()  # asked for while claimed (see _maybe_check_step)
-        self.verified_count = 0
-        self.failed_count = 0
-        self.verified_bytes = 0
+        self.rules = ShardRules(str(settings.root), self.key, settings.require_crc, settings.require_encryption)
+        self.stamp = settings.verification_stamp()  # what a verdict depended on besides the file
+        self.steps = StepJudge(settings, sessions, self.key, index_cache)
+        self._counting = threading.Lock()  # workers and a re-verification job count at once
+        self.verified_count = self.failed_count = self.verified_bytes = 0
         self.verify_seconds = 0.0
-        self._workers = [
-            threading.Thread(target=self._work, name=f"ckptd-verify-{i}", daemon=True) for i in range(settings.verify_workers)
-        ]
-        for t in self._workers:
-            t.start()
 
-    # --- queue ---------------------------------------------------------------------------------
+    def verify_shards(self, shard_ids: list[int], asks: dict[int, datetime | None] | None = None,
+                      ) -> dict[int, ShardState | None]:
+        """Verify shards now and store the verdicts, one checkpoint at a time; then each
+        checkpoint's step checks if due. ``asks``: the queue's conditions (see ``Verifier.submit``);
+        a shard not in it is verified now. A shard's result: its new state, ``complete`` when it
+        is not this node's to judge now, None when it changed while read."""
+        with self.sessions() as s:
+            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
+                             .where(any_of(s, Shard.id, shard_ids))).all()
+        result: dict[int, ShardState | None] = dict.fromkeys(shard_ids, ShardState.DELETED)
+        by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
+        for shard_id, path, ckpt_id, digest, state in rows:
+            if state == ShardState.SUPERSEDED.value:
+                # not part of any step (its verdict would never be stored), and its row now sits
+                # under a history row, which may only be locked after its step
+                result[shard_id] = ShardState.SUPERSEDED
+                continue
+            by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
+        for ckpt_id in sorted(by_ckpt):
+            result.update(self._verify_checkpoint(ckpt_id, by_ckpt[ckpt_id], asks or {}))
+            self.check_step_if_due(ckpt_id)
+        return result
 
-    def submit(self, shard_ids: list[int], *, if_unverified: bool = False) -> None:
-        """Queue shards for verification. An id already queued or being verified is not queued
-        again: MindSpore's chmod after the rename must not verify a file twice (a real change
-        mid-read is detected by the verification itself, which then re-queues).
-
-        ``if_unverified``: verify a shard only while it has no verdict under this daemon's
-        configuration (ingest's new files, a rescan's re-queues; ``states.awaits_verification``).
-        Decided under the checkpoint's lock, so a verdict another daemon on a shared root stored
-        meanwhile is never repeated, however late the caller read the state.
-        Otherwise (scrub, a changed sidecar): verify again, unless another daemon verifies it
-        after this call."""
-        ask = None if if_unverified else datetime.now(timezone.utc)
-        with self._cond:
-            for shard_id in shard_ids:
-                if shard_id in self._inflight:
-                    continue
-                # a time asked ("again") covers "while unverified"; of two times, the earlier
-                times = [t for t in (self._pending.get(shard_id), ask) if t is not None]
-                self._pending[shard_id] = min(times, default=None)
-            self._cond.notify_all()
-
-    def submit_step(self, ckpt_id: int) -> None:
-        with self._cond:
-            self._steps[ckpt_id] = None
-            self._cond.notify_all()
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._steps and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                step = next(iter(self._steps)) if self._steps else None
-                if step is not None:
-                    del self._steps[step]
-                    batch: list[int] = []
-                else:
-                    # whole batches, not a fair share: splitting a shrinking queue between workers
-                    # ends a burst in a tail of tiny batches, each paying two transactions
-                    batch = list(itertools.islice(self._pending, _BATCH))
-                    asks = {shard_id: self._pending.pop(shard_id) for shard_id in batch}
-                    self._inflight.update(batch)
-                self._active += 1
-                self._busy_since[threading.current_thread().name] = time.monotonic()
-            try:
-                if step is not None:
-                    self._maybe_check_step(step)
-                else:
-                    self._verify_queued(batch, asks)
-            except Exception:  # a bug must not kill a worker; the shards stay 'complete' and the next rescan re-queues them
-                log.exception("verification of %s failed unexpectedly", f"checkpoint {step}" if step is not None else f"{len(batch)} shards")
-            finally:
-                with self._cond:
-                    self._busy_since.pop(threading.current_thread().name, None)
-                    self._inflight.difference_update(batch)
-                    self._active -= 1
-                    self._cond.notify_all()
-
-    def _verify_queued(self, batch: list[int], asks: dict[int, datetime | None]) -> None:
-        outcomes = self.verify_shards(batch, asks)
-        again = [shard_id for shard_id, state in outcomes.items() if state is None]
-        if again:
-            with self._cond:  # the file changed while we read it: verify the new version
-                self._inflight.difference_update(again)
-            self.submit(again)
-
-    def drain(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending or self._steps or self._active:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("verification still running")
-                self._cond.wait(left)
-
-    def stalled(self, seconds: float) -> dict[str, float]:
-        """Workers busy with one unit of work (a batch, a step check) for longer than ``seconds``:
-        a hung file system or a bug; ``/healthz`` reports them."""
-        now = time.monotonic()
-        with self._cond:
-            return {name: now - t for name, t in self._busy_since.items() if now - t > seconds}
-
-    def idle(self) -> bool:
-        with self._cond:
-            return not (self._pending or self._steps or self._active)
-
-    def close(self) -> None:
-        """Stop the workers; queued work is dropped (the next start's rescan re-queues it)."""
-        with self._cond:
-            self._closed = True
-            self._pending.clear()
-            self._steps.clear()
-            self._cond.notify_all()
-        deadline = time.monotonic() + 10  # shutdown is bounded: a worker stuck in I/O is a daemon thread
-        for t in self._workers:
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                log.warning("verification worker %s did not stop in time; exiting without it", t.name)
+    def _verify_checkpoint(self, ckpt_id: int, shards: list[tuple[int, str, str | None]],
+                           asks: dict[int, datetime | None]) -> dict[int, ShardState | None]:
+        owner = self.nodes.owner()
+        with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
+            # verified (by another daemon on a shared root) since we were asked: done, not again
+            asked = [sid for sid, _, _ in shards if sid in asks]
+            done = {sid for sid, state, stamp, code, at in s.execute(
+                select(Shard.id, Shard.state, Shard.verified_config, Shard.error_code, Shard.verified_at)
+                .where(any_of(s, Shard.id, asked))).all()
+                if _answered(asks[sid], at, awaits_verification(state, stamp, code, self.stamp))} if asked else set()
+            claims = verdicts.claim_verifications(s, [sid for sid, _, _ in shards if sid not in done], owner)
+            plan = self.steps.facts_plan(s, ckpt) if claims else None
+        # not claimed: another live node verifies them, or they were answered
+        result: dict[int, ShardState | None] = {sid: ShardState.COMPLETE for sid, _, _ in shards if sid not in claims}
+        t0 = time.perf_counter()
+        outcomes = {sid: verify_one(self.rules, path, digest, None if plan is None else
+                                    FactsJob(plan, claims[sid].rank, claims[sid].seq), self.index_cache)
+                    for sid, path, digest in shards if sid in claims}
+        t1 = time.perf_counter()
+        found = [verdicts.Verdict(sid, out.stat, out.state, out.columns() | {"verified_config": self.stamp},
+                                  claims[sid].seq, out.seconds)
+                 for sid, out in outcomes.items() if out.stat is not None and out.state is not None]
+        missing = [sid for sid, out in outcomes.items() if out.stat is None]
+        # a file we cannot see is gone only if it is ours; another node's file is its to judge
+        gone = [sid for sid in missing if owner.may_judge_gone(claims[sid].node)]
+        with self.sessions.begin() as s:
+            ckpt = repo.lock_checkpoint(s, ckpt_id)
+            if gone:
+                for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
+                    repo.mark_deleted(s, row)
+            verdicts.release_claims(s, [sid for sid, out in outcomes.items() if sid not in gone and out.state is None], owner)
+            stored = verdicts.record_verifications(s, ckpt_id, found)
+            if stored or gone:
+                repo.recompute_step_state(s, ckpt)
+        log.debug("checkpoint %d: %d shards read in %.3f s, verdicts stored in %.3f s",
+                  ckpt_id, len(outcomes), t1 - t0, time.perf_counter() - t1)
+        for sid, out in outcomes.items():
+            # None: changed while read; complete: gone but another node's to judge
+            result[sid] = ShardState.DELETED if sid in gone else ShardState.COMPLETE if out.stat is None else out.state
+        counted = [v for v in found if v.shard_id in stored]
+        bad = [v for v in counted if v.state == ShardState.CORRUPT]
+        with self._counting:
+            self.verified_bytes += sum(v.stat.size for v in counted)
+            self.verify_seconds += sum(v.seconds for v in counted)
+            self.failed_count += len(bad)
+            self.verified_count += len(counted) - len(bad)
+        paths = {sid: path for sid, path, _ in shards}
+        for v in bad:
+            log.warning("shard %s is corrupt: %s", paths[v.shard_id], v.values["error"])
+        return result
 
     def due_for_scrub(self, root: str, max_age: float, limit: int) -> list[int]:
         """Verified shards under ``root`` whose last verification is older than ``max_age``
@@ -264,199 +333,99 @@ class Verifier:
                 .limit(limit)
             ).scalars())
 
-    # --- shards --------------------------------------------------------------------------------
-
-    def verify_shard(self, shard_id: int) -> ShardState | None:
-        """Verify one shard now (on-demand re-verification). None: it changed while being read."""
-        return self.verify_shards([shard_id]).get(shard_id, ShardState.DELETED)
-
-    def verify_shards(self, shard_ids: list[int], asks: dict[int, datetime | None] | None = None) -> dict[int, ShardState | None]:
-        """Verify shards and store the verdicts: the files are read outside any transaction, the
-        results of each checkpoint's shards are claimed and recorded in one transaction each.
-        ``asks``: the queue's conditions (see ``submit``); a shard not in it is verified now."""
-        with self.sessions() as s:
-            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
-                             .where(any_of(s, Shard.id, shard_ids))).all()
-        result: dict[int, ShardState | None] = {shard_id: ShardState.DELETED for shard_id in shard_ids}
-        by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
-        for shard_id, path, ckpt_id, digest, state in rows:
-            if state == ShardState.SUPERSEDED.value:
-                # not part of any step (its verdict would never be stored), and its row now sits
-                # under a history row, which may only be locked after its step
-                result[shard_id] = ShardState.SUPERSEDED
-                continue
-            by_ckpt.setdefault(ckpt_id, []).append((shard_id, path, digest))
-        for ckpt_id in sorted(by_ckpt):
-            result.update(self._verify_checkpoint_shards(ckpt_id, by_ckpt[ckpt_id], asks or {}))
-            self._maybe_check_step(ckpt_id)
-        return result
-
-    def _verify_checkpoint_shards(self, ckpt_id: int, shards: list[tuple[int, str, str | None]],
-                                  asks: dict[int, datetime | None]) -> dict[int, ShardState | None]:
-        owner = self.nodes.owner()
-        with self.sessions.begin() as s:
-            ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
-            # verified (by another daemon on a shared root) since we were asked: done, not again
-            asked = [sid for sid, _, _ in shards if sid in asks]
-            done = {sid for sid, state, stamp, code, at in s.execute(
-                select(Shard.id, Shard.state, Shard.verified_config, Shard.error_code, Shard.verified_at)
-                .where(any_of(s, Shard.id, asked))).all()
-                if _answered(asks[sid], at, awaits_verification(state, stamp, code, self.stamp))} if asked else set()
-            claims = verdicts.claim_verifications(s, [shard_id for shard_id, _, _ in shards if shard_id not in done], owner)
-            plan = self.steps.facts_plan(s, ckpt) if claims else None
-        skipped = {shard_id for shard_id, _, _ in shards if shard_id not in claims}  # another live node verifies them
-        shards = [sh for sh in shards if sh[0] in claims]
-        t0 = time.perf_counter()
-        outcomes = {shard_id: self._read_shard(path, digest, _FactsJob(plan, claims[shard_id].rank, claims[shard_id].seq)
-                                               if plan is not None else None)
-                    for shard_id, path, digest in shards}
-        t1 = time.perf_counter()
-        paths = {shard_id: path for shard_id, path, _ in shards}
-        result: dict[int, ShardState | None] = {shard_id: out.state for shard_id, out in outcomes.items()}
-        found = [
-            verdicts.Verdict(shard_id, out.stat, out.state, out.values, claims[shard_id].seq, out.seconds)
-            for shard_id, out in outcomes.items() if out.stat is not None and out.state is not None
-        ]
-        missing = [shard_id for shard_id, out in outcomes.items() if out.stat is None]
-        # a file we cannot see is gone only if it is ours; another node's file is its to judge
-        gone = [shard_id for shard_id in missing if owner.may_judge_gone(claims[shard_id].node)]
-        with self.sessions.begin() as s:
-            ckpt = repo.lock_checkpoint(s, ckpt_id)
-            if gone:
-                for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
-                    repo.mark_deleted(s, row)
-            verdicts.release_claims(s, [sid for sid in missing if sid not in gone]
-                                    + [sid for sid, out in outcomes.items() if out.stat is not None and out.state is None], owner)
-            stored = verdicts.record_verifications(s, ckpt_id, found)
-            if stored or gone:
-                repo.recompute_step_state(s, ckpt)
-        log.debug("checkpoint %d: %d shards read in %.3f s, verdicts stored in %.3f s",
-                  ckpt_id, len(shards), t1 - t0, time.perf_counter() - t1)
-        for shard_id in gone:
-            result[shard_id] = ShardState.DELETED
-        for shard_id in skipped | (set(missing) - set(gone)):
-            result[shard_id] = ShardState.COMPLETE  # not ours to judge now: no verdict, nothing to retry
-        for v in found:
-            if v.shard_id not in stored:
-                continue
-            self.verified_bytes += v.stat.size
-            self.verify_seconds += v.seconds
-            if v.state == ShardState.CORRUPT:
-                self.failed_count += 1
-                log.warning("shard %s is corrupt: %s", paths[v.shard_id], v.values["error"])
-            else:
-                self.verified_count += 1
-        return result
-
-    def _read_shard(self, path: str, known_digest: str | None, facts: _FactsJob | None = None) -> _Outcome:
-        before = stat_of(path)
-        if before is None:
-            return _Outcome(None)
-        t0 = time.perf_counter()
-        try:
-            # the very file that passed confinement (never a symlink, FIFO or device) is read, by
-            # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
-            with confine.opened(str(self.settings.root), path) as name:
-                values, problems = (self._check_record(name, path) if path.endswith(".json")
-                                    else self._check_file(name, path, facts, first=known_digest is None))
-        except confine.ConfinementError as err:
-            values, problems = {"digest": known_digest}, [(err.code, err.message)]
-        except FileNotFoundError:
-            return _Outcome(None)
-        if known_digest is not None and values["digest"] != known_digest:
-            problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
-            values["digest"] = known_digest  # keep the evidence of what the file was
-        if stat_of(path) != before:
-            return _Outcome(before, None)  # the file changed under us: verify the new version
-        if problems:
-            values["error_code"], values["error"] = problems[0][0], "; ".join(msg for _, msg in problems)
-        else:
-            values["error_code"] = values["error"] = None
-        values["verified_config"] = self.stamp  # what this verdict depended on besides the file
-        state = ShardState.CORRUPT if problems else ShardState.VERIFIED
-        return _Outcome(before, state, values, time.perf_counter() - t0)
-
-    def _check_file(self, name: str, path: str, facts: _FactsJob | None = None, *, first: bool = False,
-                    ) -> tuple[dict[str, object], list[tuple[str, str]]]:
-        """Verify the file opened as ``name`` (a ``/proc/self/fd`` name) that is ``path``; with
-        ``facts``, also take the step check's facts of it from the same open file. ``first``: no
-        verdict recorded a digest yet, so the record index ingest parsed seconds ago (same inode,
-        size, mtime and ctime: the same bytes as written) is reused; a later verification (a scrub
-        looking for damage below the file system) parses the records from the bytes again."""
-        # one pass over the disk: the digest hashes the bytes the CRC / decryption reads anyway,
-        # and the step check's facts come from the index and payloads this verification opened
-        digest = StreamDigest()
-
-        def inspect(ck: CheckpointFile) -> tuple[int | None, ShardFacts | None]:
-            if facts is None or (ck.encryption is None and ck.source.size < FACTS_IN_PASS_BYTES):
-                return content_step(ck), None
-            plan = facts.plan
-            return content_step(ck), facts_of(ck, facts.rank, plan.strategy, plan.names, subset=plan.subset)
-
-        report = verify_file(name, self.key, require_crc=self.settings.require_crc, inspect=inspect, digest=digest,
-                             index_cache=self.index_cache if first else None)
-        values: dict[str, object] = {"digest": digest.finish(name)}
-        values.update(format=report.format, encryption=report.encryption, crc=report.crc)
-        if report.ok:
-            values["global_step"], found = report.inspected
-            if found is not None:  # taken only with a facts job
-                values["facts"] = facts.plan.encode(found, facts.seq)
-        problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
-        hint = read_sidecar(str(self.settings.root), path)
-        if hint is not None and (hint.get("size") != os.path.getsize(name) or hint.get("xxh3_128") not in (None, values["digest"])):
-            # after the format checks: a CRC error with its byte offset says more than "differs"
-            problems.append(("sidecar_mismatch", f"differs from the trainer's .done record (size {hint.get('size')}, "
-                                                 f"digest {str(hint.get('xxh3_128'))[:12]}…)"))
-        if self.settings.require_encryption and report.format == "ckpt" and report.encryption is None and not problems:
-            problems.append(("policy", "plaintext shard but require_encryption is set"))
-        return values, problems
-
-    @staticmethod
-    def _check_record(name: str, path: str) -> tuple[dict[str, object], list[tuple[str, str]]]:
-        """A Checkpoint 2.0 JSON record (``common.json``, ``metadata.json``): it must parse as
-        MindFormers writes it; what it says is judged with the iteration (ckptd.service.iteration)."""
-        with open(name, "rb") as fh:
-            raw = fh.read(mf2.MAX_METADATA_BYTES + 1)
-        values: dict[str, object] = {"digest": xxhash.xxh3_128_hexdigest(raw), "format": "json", "encryption": None,
-                                     "crc": "absent"}
-        problem = mf2.record_problem(raw, path)
-        return values, [] if problem is None else [(problem.code, str(problem))]
-
     # --- steps ---------------------------------------------------------------------------------
 
-    def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
-        return self.steps.strategy_for(row)
-
-    def _maybe_check_step(self, ckpt_id: int) -> None:
-        """Run the step checks if they are due, once. The last two shards of a step can finish at
-        the same moment, and a rescan can ask again meanwhile: one caller claims the step, and
-        reads whether checks are due only after claiming (a check that finished just before has
-        committed its verdict by then). A caller refused because the step is claimed leaves a note,
-        and the holder reads once more before letting go: the refused caller may have committed
-        the step's last verdict after the holder's read."""
-        with self._cond:
-            if ckpt_id in self._checking:
-                self._check_again.add(ckpt_id)
-                return
-            self._checking.add(ckpt_id)
-        try:
-            while True:
-                if self._step_ready(ckpt_id):
-                    self.steps.check(ckpt_id, unjudged_only=True)
-                with self._cond:  # decide and let go under one lock: no note can slip in between
-                    if ckpt_id not in self._check_again:
-                        self._checking.discard(ckpt_id)
-                        return
-                    self._check_again.discard(ckpt_id)
-        except BaseException:
-            with self._cond:
-                self._checking.discard(ckpt_id)
-                self._check_again.discard(ckpt_id)
-            raise
-
-    def _step_ready(self, ckpt_id: int) -> bool:
-        return self.steps.ready(ckpt_id)
+    def check_step_if_due(self, ckpt_id: int) -> None:
+        """Run the step checks if they are due and store the verdict unless the step has one by
+        then. Read after this caller's own verdicts committed, so the caller that stored a step's
+        last verdict finds the step due; two callers that both do (a worker and a re-verification
+        job, or two daemons on one root) store one verdict: ``StepJudge.check`` decides under the
+        step's row lock."""
+        if self.steps.ready(ckpt_id):
+            self.steps.check(ckpt_id, unjudged_only=True)
 
     def check_step(self, ckpt_id: int) -> list[str]:
         """Run the step-level checks now and store the verdict (also used for re-verification)."""
         return self.steps.check(ckpt_id)
+
+
+# --- the daemon's pool ---------------------------------------------------------------------------
+
+
+class Verifier(ShardVerifier):
+    """``ShardVerifier`` plus ``verify_workers`` threads working a queue keyed by checkpoint."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None,
+                 nodes: NodeView | None = None) -> None:
+        super().__init__(settings, sessions, index_cache, nodes)
+        # checkpoint id -> {shard id: its ask (see submit)}; an empty entry asks for the step checks
+        self.queue: KeyedQueue[int, int, datetime | None] = KeyedQueue(_BATCH, _earlier_ask)
+        self._workers = [threading.Thread(target=self._work, name=f"ckptd-verify-{i}", daemon=True)
+                         for i in range(settings.verify_workers)]
+        for t in self._workers:
+            t.start()
+
+    def submit(self, shard_ids: list[int], *, if_unverified: bool = False) -> None:
+        """Queue shards for verification, each under its checkpoint (one query: which). A shard
+        already queued merges with its entry, and one being verified is not queued again:
+        MindSpore's chmod after the rename must not verify a file twice (a real change mid-read is
+        detected by the verification itself, which then re-queues).
+
+        ``if_unverified``: verify a shard only while it has no verdict under this daemon's
+        configuration (ingest's new files, a rescan's re-queues; ``states.awaits_verification``).
+        Decided under the checkpoint's lock, so a verdict another daemon on a shared root stored
+        meanwhile is never repeated, however late the caller read the state.
+        Otherwise (scrub, a changed sidecar): verify again, unless another daemon verifies it
+        after this call."""
+        if not shard_ids:
+            return
+        ask = None if if_unverified else datetime.now(timezone.utc)
+        with self.sessions() as s:
+            rows = s.execute(select(Shard.checkpoint_id, Shard.id).where(any_of(s, Shard.id, shard_ids))).all()
+        by_ckpt: dict[int, dict[int, datetime | None]] = {}
+        for ckpt_id, shard_id in rows:
+            by_ckpt.setdefault(ckpt_id, {})[shard_id] = ask
+        for ckpt_id, asks in by_ckpt.items():
+            self.queue.add(ckpt_id, asks)
+
+    def submit_step(self, ckpt_id: int) -> None:
+        """Run the step's checks on a worker if they are due (after any of its shards queued now)."""
+        self.queue.add(ckpt_id)
+
+    def _work(self) -> None:
+        while (taken := self.queue.take()) is not None:
+            ckpt_id, asks = taken
+            again: list[int] = []
+            try:
+                if asks:
+                    again = [sid for sid, state in self.verify_shards(list(asks), asks).items() if state is None]
+                else:
+                    self.check_step_if_due(ckpt_id)
+            except Exception:  # a bug must not kill a worker; the shards stay 'complete' and the next rescan re-queues them
+                log.exception("verification of checkpoint %d (%d shards) failed unexpectedly", ckpt_id, len(asks))
+            finally:
+                self.queue.done(ckpt_id)
+            if again:  # the file changed while we read it: verify the new version
+                self.queue.add(ckpt_id, dict.fromkeys(again, datetime.now(timezone.utc)))
+
+    def drain(self, timeout: float | None = None) -> None:
+        if not self.queue.drain(timeout):
+            raise TimeoutError("verification still running")
+
+    def idle(self) -> bool:
+        return self.queue.idle()
+
+    def stalled(self, seconds: float) -> dict[str, float]:
+        """Workers busy with one unit of work (a batch, a step check) for longer than ``seconds``:
+        a hung file system or a bug; ``/healthz`` reports them."""
+        now = time.monotonic()
+        return {name: now - t for name, t in self.queue.busy().items() if now - t > seconds}
+
+    def close(self) -> None:
+        """Stop the workers; queued work is dropped (the next start's rescan re-queues it)."""
+        self.queue.close()
+        deadline = time.monotonic() + 10  # shutdown is bounded: a worker stuck in I/O is a daemon thread
+        for t in self._workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("verification worker %s did not stop in time; exiting without it", t.name)
