@@ -170,3 +170,18 @@ def start_daemon_process(root: Path, url: str, *extra: str, log: Path | None = N
         stdout=out,
         stderr=subprocess.STDOUT,
     )
+
+
+def resume_answer(url: str, run: str) -> dict:
+    """The resume oracle's answer for ``run``, computed in-process (no lease taken)."""
+    from sqlalchemy.orm import sessionmaker
+
+    from ckptd.catalog.db import make_engine
+    from ckptd.service.resume import ResumeOptions, resume
+
+    engine = make_engine(url)
+    try:
+        with sessionmaker(engine).begin() as s:
+            return resume(s, run, ResumeOptions(lease=False))
+    finally:
+        engine.dispose()

@@ -14,16 +14,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sqlalchemy.orm import sessionmaker
 
 from ckptd import runlayout
-from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
 from ckptd.errors import CorruptError
 from ckptd.format import mf2
 from ckptd.service import iteration, tracker
-from ckptd.service.resume import ResumeOptions, resume
-from tests.daemon_helpers import query, started_daemon, wait_for, wait_or_stop
+from tests.daemon_helpers import query, resume_answer, started_daemon, wait_for, wait_or_stop
 from tests.mf2_fixtures import PREFIX, make_records, mindformers_checkpoint_path, mindformers_save, write_files, write_tracker
 from tests.mf_fixtures import tear
 
@@ -131,15 +128,6 @@ def _settle(root: Path, url: str, want: dict[str, dict[int, str]], timeout: floa
     return wait_or_stop(d, check, timeout, f"states {want}")
 
 
-def _resume(url: str, run: str) -> dict:
-    engine = make_engine(url)
-    try:
-        with sessionmaker(engine).begin() as s:
-            return resume(s, run, ResumeOptions(lease=False))
-    finally:
-        engine.dispose()
-
-
 def _copy_sample(name: str, root: Path, run: str) -> Path:
     dest = root / run / "checkpoint"
     shutil.copytree(FIXTURES / name, dest)
@@ -155,16 +143,16 @@ def test_single_rank_runs_written_by_mindformers(root, catalog_url):
     d = _settle(root, catalog_url, {"monitor": {4: "verified", 6: "verified"}, "async": {10: "verified", 20: "incomplete"},
                                     "live": {4: "verified", 6: "verified", 8: "verified"}})
     d.stop()
-    monitor = _resume(catalog_url, "monitor")
+    monitor = resume_answer(catalog_url, "monitor")
     assert (monitor["step"], monitor["global_step"], monitor["layout"], monitor["world_size"]) == (6, 6, "mindformers2", None)
     assert {s["role"] for s in monitor["shards"]} == {"model", "opt", "common"}
     assert monitor["mindformers"]["load_checkpoint"] == str(root / "monitor" / "checkpoint" / "iteration_00000006")
     assert monitor["mindformers"]["tracker"]["agrees"] is True
-    answer = _resume(catalog_url, "async")
+    answer = resume_answer(catalog_url, "async")
     assert answer["step"] == 10
     assert answer["skipped"] == [{"step": 20, "reason": "incomplete: missing toy-opt-0000000-0000001.safetensors"}]
     assert answer["mindformers"]["tracker"]["iteration"] == 20 and not answer["mindformers"]["tracker"]["agrees"]
-    assert _resume(catalog_url, "live")["step"] == 8
+    assert resume_answer(catalog_url, "live")["step"] == 8
     # MindFormers' own answer for the async run: the iteration without its optimizer state
     got = mindformers_checkpoint_path([root / "async" / "checkpoint"])[0]
     assert got["path"] == str(root / "async" / "checkpoint" / "iteration_00000020")
@@ -201,7 +189,7 @@ def test_sharded_iterations_with_every_defect(ms, root, catalog_url):
     assert f"{PREFIX}-model-0000001-0000004.safetensors lacks 'fc2.bias'" in reasons[600]
     assert "not iteration 700" in reasons[700]
     assert "a save is still being written" in reasons[800] and f"{PREFIX}-opt-0000001-0000004.tmp" in reasons[800]
-    answer = _resume(catalog_url, "job")
+    answer = resume_answer(catalog_url, "job")
     assert answer["step"] == 200  # balanced: each slice once, files numbered by MindFormers' plan
     assert {os.path.basename(s["path"]) for s in answer["shards"] if s["role"] in ("model", "opt")} == set(files["balanced"])
     skipped = {s["step"]: s["reason"] for s in answer["skipped"]}
@@ -219,7 +207,7 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
         write_tracker(root / run / "checkpoint", text)
     d = _settle(root, catalog_url, {run: {20: "verified"} for run in ("empty", "torn", "dangling")})
     d.stop()
-    notes = {run: _resume(catalog_url, run)["mindformers"]["tracker"]["note"] for run in ("empty", "torn", "dangling")}
+    notes = {run: resume_answer(catalog_url, run)["mindformers"]["tracker"]["note"] for run in ("empty", "torn", "dangling")}
     assert notes["empty"].startswith("unusable: empty") and notes["torn"].startswith("unusable: not an iteration")
     assert "names iteration 10, which does not exist" in notes["dangling"]
     before = mindformers_checkpoint_path([root / run / "checkpoint" for run in ("empty", "dangling")])

@@ -15,12 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sqlalchemy.orm import sessionmaker
 
 from ckptd import runlayout
-from ckptd.catalog.db import make_engine
-from ckptd.service.resume import ResumeOptions, resume
-from tests.daemon_helpers import query, started_daemon, wait_or_stop
+from tests.daemon_helpers import query, resume_answer, started_daemon, wait_or_stop
 
 HUGE = "99999999999999999999"  # > 2**63 - 1
 
@@ -30,15 +27,6 @@ def _save(ms, path: Path, step: int) -> Path:
     data = [{"name": "w", "data": ms.Tensor(np.full((4, 2), float(step), np.float32))}]
     ms.save_checkpoint(data, str(path), append_dict={"step_num": step, "rank_id": 0}, crc_check=True)
     return path
-
-
-def _resume(url: str, run: str) -> dict:
-    engine = make_engine(url)
-    try:
-        with sessionmaker(engine).begin() as s:
-            return resume(s, run, ResumeOptions(lease=False))
-    finally:
-        engine.dispose()
 
 
 def test_one_name_never_stops_the_rescan(ms, root, catalog_url, caplog):
@@ -68,9 +56,9 @@ def test_one_name_never_stops_the_rescan(ms, root, catalog_url, caplog):
     assert settled() == [("bad", 1, 5, "verified"), ("big", 1, 5, "verified"), ("big", 2**31, 5, "verified")]
     assert query(catalog_url, "SELECT path FROM shards ORDER BY path") == sorted(
         [(str(good),), (str(big / "llama-1_5.ckpt"),), (str(wide),)])
-    answer = _resume(catalog_url, "big")
+    answer = resume_answer(catalog_url, "big")
     assert (answer["epoch"], answer["global_step"], [s["path"] for s in answer["shards"]]) == (2**31, 10, [str(wide)])
-    answer = _resume(catalog_url, "bad")
+    answer = resume_answer(catalog_url, "bad")
     assert (answer["epoch"], answer["global_step"], [s["path"] for s in answer["shards"]]) == (1, 5, [str(good)])
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [r for r in caplog.records if r.exc_info], "no traceback for a name"

@@ -10,6 +10,8 @@ import contextlib
 import os
 from typing import BinaryIO, Iterator
 
+from ckptd import confine
+
 TMP_SUFFIX = ".ckptd-tmp"
 
 
@@ -50,7 +52,7 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = False, mode:
 
 @contextlib.contextmanager
 def _write_at(dir_fd: int, name: str, shown: str, overwrite: bool, mode: int) -> Iterator[BinaryIO]:
-    if not overwrite and _exists_at(dir_fd, name):
+    if not overwrite and confine.exists_at(dir_fd, name):
         from ckptd.errors import CkptdError
 
         raise CkptdError("refusing to overwrite an existing file", path=shown, hint="choose another output path")
@@ -77,9 +79,3 @@ def _write_at(dir_fd: int, name: str, shown: str, overwrite: bool, mode: int) ->
                 os.unlink(tmp, dir_fd=dir_fd)
 
 
-def _exists_at(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
