@@ -255,10 +255,9 @@ def test_a_ckptd_still_in_its_first_rescan_is_waited_for(canned):
 def test_the_settled_barrier_tells_unavailable_from_refused_and_malformed(canned):
     """A ckptd that cannot be asked is reported at once (the launcher's back-off waits for it, and
     logs it), not waited for inside the barrier; a refused token or a non-answer stops at once."""
-    t0 = time.monotonic()
-    with pytest.raises(OracleUnavailable, match="unreachable"):  # at the first refused connection, not after 30 s
-        wait_settled(f"http://127.0.0.1:{free_port()}", "run", timeout=30)
-    assert time.monotonic() - t0 < 30
+    # an hour's timeout: the raise can only come from the first refused connection, not the deadline
+    with pytest.raises(OracleUnavailable, match="unreachable"):
+        wait_settled(f"http://127.0.0.1:{free_port()}", "run", timeout=3600)
     for status in (500, 503):
         with pytest.raises(OracleUnavailable, match=f"HTTP {status}"):
             wait_settled(canned(status, b"{}"), "run", timeout=30)
