@@ -304,10 +304,10 @@ def unlink_beneath(root: str, path: str) -> None:
         os.unlink(parts[-1], dir_fd=dir_fd)
 
 
-def unlink_if_older_beneath(root: str, path: str, before: float) -> bool:
+def unlink_if_older_beneath(root: str, path: str, before: float, *, dry_run: bool = False) -> bool:
     """Remove the regular file ``path`` below ``root`` if it was last modified before ``before`` (a
     POSIX time), judged on the name in a directory reached without symlinks; False: newer, kept.
-    (Torn temp files: a writer still at work keeps touching its file.)"""
+    ``dry_run``: judge only. (Torn temp files: a writer still at work keeps touching its file.)"""
     parts = _components(root, path)
     with _walk(root, parts, path) as dir_fd:
         st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
@@ -315,7 +315,8 @@ def unlink_if_older_beneath(root: str, path: str, before: float) -> bool:
             raise ConfinementError(f"is a {kind_of(st.st_mode)}, not a file ckptd may remove", path=path)
         if st.st_mtime >= before:
             return False
-        os.unlink(parts[-1], dir_fd=dir_fd)
+        if not dry_run:
+            os.unlink(parts[-1], dir_fd=dir_fd)
         return True
 
 

@@ -48,7 +48,6 @@ The pure functions here classify and build paths; only :func:`rank_dirs` / :func
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +59,7 @@ from ckptd.runnames import (  # noqa: F401
     SHARD_SUFFIXES,
     Role,
     is_rank_strategy_name,
+    is_torn_temp_name,
     parse_iteration_dir,
     parse_rank_dir,
     parse_shard_name,
@@ -153,23 +153,6 @@ def relative_parts(root: str, path: str) -> list[str] | None:
 
 def is_in_flight(name: str) -> bool:
     return name.endswith(_IN_FLIGHT)
-
-
-#: what is left of a shard save's temp name without its temp suffix and extension: ``<prefix>-<e>_<s>``
-_TEMP_STEM = re.compile(r"^.+-\d+_\d+(?:_breakpoint)?$")
-
-
-def is_torn_temp_name(name: str) -> bool:
-    """A shard save's temp file (MindSpore's async writer: ``net-2_6.tmp``; also
-    ``<shard>.ckpt.tmp`` / ``.part``): what a rank killed mid-save leaves behind. ckptd's own
-    temp trees (``.ckptd-tmp``) have their own cleaner."""
-    for suffix in (".tmp", ".part"):
-        if name.endswith(suffix):
-            stem = name[:-len(suffix)]
-            for ext in SHARD_SUFFIXES:
-                stem = stem[:-len(ext)] if stem.endswith(ext) else stem
-            return _TEMP_STEM.match(stem) is not None
-    return False
 
 
 def unusable_name(name: str, layout: Layout = NATIVE) -> str | None:

@@ -222,3 +222,20 @@ def rank_strategy_rank(name: str) -> int | None:
 def is_rank_strategy_name(name: str) -> bool:
     """Named like a per-rank strategy file, whatever its rank."""
     return _RANK_STRATEGY.match(name) is not None
+
+
+#: what is left of a shard save's temp name without its temp suffix and extension: ``<prefix>-<e>_<s>``
+_TEMP_STEM = re.compile(r"^.+-\d+_\d+(?:_breakpoint)?$")
+
+
+def is_torn_temp_name(name: str) -> bool:
+    """A shard save's temp file (MindSpore's async writer: ``net-2_6.tmp``; also
+    ``<shard>.ckpt.tmp`` / ``.part``): what a rank killed mid-save leaves behind. ckptd's own
+    temp trees (``.ckptd-tmp``) have their own cleaner."""
+    for suffix in (".tmp", ".part"):
+        if name.endswith(suffix):
+            stem = name[:-len(suffix)]
+            for ext in SHARD_SUFFIXES:
+                stem = stem[:-len(ext)] if stem.endswith(ext) else stem
+            return _TEMP_STEM.match(stem) is not None
+    return False

@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session
 
 from ckptd.catalog import reads
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, as_utc
-from ckptd.catalog.reads import shards_step_column  # noqa: F401 - service.resume still imports it from here
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
 from ckptd import stepname

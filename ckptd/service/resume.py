@@ -28,7 +28,8 @@ from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile, as
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
 from ckptd.service import tracker
-from ckptd.service.catalog import get_run, shards_step_column
+from ckptd.catalog.reads import shards_step_column
+from ckptd.service.catalog import get_run
 from ckptd.states import ShardState
 
 RESUME_LEASE = timedelta(minutes=30)

@@ -120,10 +120,7 @@ def sweep_torn_temps(sessions: sessionmaker[Session], root: str, grace: float, r
                     continue
                 path = os.path.join(d, name)
                 try:
-                    if report.dry_run:
-                        old = os.lstat(path).st_mtime < before
-                    else:
-                        old = confine.unlink_if_older_beneath(root, path, before)
+                    old = confine.unlink_if_older_beneath(root, path, before, dry_run=report.dry_run)
                 except FileNotFoundError:
                     continue
                 except confine.ConfinementError as err:
