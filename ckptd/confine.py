@@ -83,6 +83,24 @@ def _open_dir(name: str, dir_fd: int | None, path: str) -> int:
         raise
 
 
+def _open_dir_in(name: str, dir_fd: int, path: str, create: bool) -> int:
+    """:func:`_open_dir`, with ``create`` making it first when missing. A directory that is gone
+    again between our ``mkdirat`` and the open was moved or removed by someone else writing in
+    the root: a refusal, never a raw ``FileNotFoundError``."""
+    try:
+        return _open_dir(name, dir_fd, path)
+    except FileNotFoundError:
+        if not create:
+            raise
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+    try:
+        return _open_dir(name, dir_fd, path)
+    except FileNotFoundError:
+        raise ConfinementError(f"{name!r} was moved or removed while ckptd created it", path=path,
+                               hint="something else writes there: find out what before trying again") from None
+
+
 def _open_root(root: str) -> int:
     # the root itself may be a symlink (an operator's mount choice); nothing below it may
     return os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
@@ -94,14 +112,7 @@ def _walk(root: str, parts: list[str], path: str, create: bool = False) -> Itera
     fd = _open_root(root)
     try:
         for name in parts[:-1]:
-            try:
-                nfd = _open_dir(name, fd, path)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                nfd = _open_dir(name, fd, path)
+            nfd = _open_dir_in(name, fd, path, create)
             os.close(fd)
             fd = nfd
         yield fd
@@ -203,14 +214,7 @@ def open_dir_beneath(root: str, path: str, *, create: bool = False) -> int:
     descriptor (``dir_fd=``), never by name: the name may be swapped, the descriptor not."""
     parts = _components(root, path)
     with _walk(root, parts, path, create=create) as dir_fd:
-        try:
-            return _open_dir(parts[-1], dir_fd, path)
-        except FileNotFoundError:
-            if not create:
-                raise
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(parts[-1], 0o755, dir_fd=dir_fd)
-            return _open_dir(parts[-1], dir_fd, path)
+        return _open_dir_in(parts[-1], dir_fd, path, create)
 
 
 def same_dir(root: str, path: str, fd: int) -> bool:
