@@ -87,8 +87,10 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
     for i in range(30):
         racer = Swapper(out, outside, empty_only=i % 2 == 0)
         racer.start()
+        done = False
         try:
             convert_step(sessions, str(root), "r", 2, to_layout="tp=1,dp=1")
+            done = True
             outcomes["done"] = outcomes.get("done", 0) + 1
         except CkptdError as err:  # refused: fine, as long as nothing escaped (never another exception)
             why = f"{err.code}: {err.message[:40]}"
@@ -98,13 +100,23 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
             racer.join(10)
         swaps += racer.swaps
         assert _everything_in(outside) == [], f"try {i}: written outside the root"
-        if racer.swaps:  # the copy was swapped away: no catalog row may name a file that is not there
-            for (path,) in query(url, "SELECT s.path FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
-                                      "WHERE c.kind = 'converted' AND s.state = 'verified'"):
-                assert confine.is_regular_beneath(str(root), path), path
+        if racer.swaps:
             aside = out.with_name(out.name + ".aside")
-            # what it wrote into the moved directory before noticing is removed, not left looking whole
-            assert not any(p.name.startswith("rank_") for p in aside.iterdir()), _everything_in(aside)
+            rows = query(url, "SELECT s.path, s.inode FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
+                              "WHERE c.kind = 'converted' AND s.state = 'verified'")
+            if done:
+                # The racer swapped once the copy was checked in place (possibly after convert_step
+                # returned: the racer runs until told to stop). Then the catalogued files are the
+                # ones moved aside, whole: the very inodes recorded, not anything planted.
+                for path, inode in rows:
+                    moved = aside / os.path.relpath(path, out)
+                    assert confine.is_regular_beneath(str(root), path) or moved.stat().st_ino == inode, path
+            else:
+                # refused: no catalog row may name a file that is not there, and what it wrote into
+                # the moved directory before noticing is removed, not left looking whole
+                for path, _ in rows:
+                    assert confine.is_regular_beneath(str(root), path), path
+                assert not any(p.name.startswith("rank_") for p in aside.iterdir()), _everything_in(aside)
             os.unlink(out)
             shutil.rmtree(aside, ignore_errors=True)
         else:
