@@ -90,6 +90,9 @@ def first_unhealthy(history: Iterable[Health], spike: SpikeRule | None) -> tuple
 class ResumeDecision:
     chosen: StepInfo | None
     skipped: tuple[tuple[int, str], ...]
+    #: skipped steps ckptd has not finished judging (``pending``): they may still become restorable,
+    #: so "nothing restorable" is no verdict on them yet (the launcher must not start from zero)
+    unjudged: tuple[int, ...] = ()
 
 
 _STATE_REASONS = {
@@ -110,14 +113,17 @@ class ResumePolicy:
     def decide(self, steps: Iterable[StepInfo], health: Iterable[Health] = ()) -> ResumeDecision:
         unhealthy = first_unhealthy(health, self.spike)
         skipped: list[tuple[int, str]] = []
+        unjudged: list[int] = []
         for s in sorted(steps, key=lambda s: s.position or (s.step,), reverse=True):
             if self.max_step is not None and s.step > self.max_step:
                 continue  # asked for "at or before N": newer steps are not candidates, not failures
             reason = self._rejection(s, unhealthy)
             if reason is None:
-                return ResumeDecision(s, tuple(skipped))
+                return ResumeDecision(s, tuple(skipped), tuple(unjudged))
             skipped.append((s.step, reason if s.named is None else f"{reason} ({s.named})"))
-        return ResumeDecision(None, tuple(skipped))
+            if s.state == "pending" and not s.marked_bad:
+                unjudged.append(s.step)
+        return ResumeDecision(None, tuple(skipped), tuple(unjudged))
 
     @staticmethod
     def _rejection(s: StepInfo, unhealthy: tuple[int, str] | None) -> str | None:

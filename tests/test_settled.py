@@ -105,6 +105,16 @@ def test_the_answer_names_each_nodes_unjudged_work(saves, root, catalog_url, tmp
             assert [(u["node"], u["reachable"], u["shards"], u["blocking"]) for u in held["unjudged"]] == \
                 [("far", True, 4, True)], held
             assert sorted(held["unjudged"][0]["steps"]) == ["2", "4"]
+            # the launcher asks anyway (its settle wait ran out): "nothing restorable" from a ckptd that
+            # has not judged the saves is no verdict on them, and never a start from step 0 (issue 25.1)
+            from ckptd.launcher.oracle import ask_http
+
+            answer = ask_http(srv.url, "st", WORLD)
+            assert answer.step is None and answer.catalogued and answer.unjudged == (4, 2), answer
+            refused = FreshStart().refusal(str(far_root / "st"), WORLD, answer)
+            assert refused is not None and "not finished verifying step(s) 4, 2" in refused, refused
+            assert "--settle-timeout" in refused and "--allow-fresh-start" in refused
+            assert FreshStart(allowed=True).refusal(str(far_root / "st"), WORLD, answer) is None
             # silent past node_timeout: nobody will judge those files soon, so they no longer hold the barrier
             gone = c.get("/v1/runs/st/settled", params={"wait": 30}).json()
             assert gone["settled"] and [(u["node"], u["reachable"], u["blocking"]) for u in gone["unjudged"]] == \

@@ -153,6 +153,8 @@ class ErrorDetail(BaseModel):
     message: str
     hint: str | None = None
     skipped: list[Skipped] | None = Field(default=None, description="no_restorable_step: the steps passed over, with why")
+    unjudged: list[int] | None = Field(default=None, description="no_restorable_step: skipped steps whose verification "
+                                                                 "has not finished (they may still become restorable)")
 
 
 class ErrorOut(BaseModel):

@@ -15,7 +15,9 @@ what to fix. Three checks, each as early as it can be made:
   follows links below its root, so it would never see the saves.
 * **at start, an oracle must exist** when there will be restarts (:func:`check_oracle`).
 * **before any fresh start** (:class:`FreshStart`): if the run directory holds committed saves and
-  the oracle does not know the run -- or ``--fresh`` skipped asking -- the start is refused.
+  the oracle does not know the run -- or ``--fresh`` skipped asking -- the start is refused; so is
+  one while ckptd has not finished verifying a save (``unjudged`` in its answer: the settle wait
+  ran out before ckptd caught up, and that save may still be the resume point).
   "Nothing restorable" from an oracle that knows the run is its verdict (the saves are corrupt,
   say) and is acted on, with its reasons in the log.
 """
@@ -47,6 +49,10 @@ class FreshStart:
         the operator allowed it). ``answer`` None: the oracle was not asked (``--fresh``)."""
         if self.allowed or (answer is not None and answer.step is not None):
             return None
+        if answer is not None and answer.unjudged:
+            steps = ", ".join(map(str, answer.unjudged[:5])) + (" ..." if len(answer.unjudged) > 5 else "")
+            return (f"{answer.why}, but ckptd has not finished verifying step(s) {steps}: they may still be "
+                    f"restorable -- give ckptd longer to catch up (--settle-timeout) and launch again; {OVERRIDE}")
         if answer is not None and answer.catalogued:
             return None  # the oracle knows the run and found nothing restorable: its verdict
         saves = committed_save_files(run_dir, world)

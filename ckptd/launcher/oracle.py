@@ -48,6 +48,9 @@ class ResumeAnswer:
     #: False when the oracle does not know the run at all (``not_found``): "nothing to resume" is
     #: then no verdict on the saves on disk (:mod:`ckptd.launcher.freshstart`)
     catalogued: bool = True
+    #: steps ckptd has not finished judging when it found nothing restorable (``detail.unjudged``):
+    #: they may still become restorable, so that answer is no verdict on them
+    unjudged: tuple[int, ...] = ()
 
 
 class OracleError(RuntimeError):
@@ -83,7 +86,9 @@ def interpret_answer(body: object, world: int, source: str) -> ResumeAnswer:
         why = f"{source}: no restorable step"
         if skipped:
             why += "; skipped " + _skipped_text(skipped)
-        return ResumeAnswer(None, None, why)
+        unjudged = detail.get("unjudged") or []
+        steps = tuple(int(s) for s in unjudged if isinstance(s, int)) if isinstance(unjudged, list) else ()
+        return ResumeAnswer(None, None, why, unjudged=steps)
     if isinstance(detail, dict) and detail.get("code") == "not_found":
         # ckptd has never seen this run (no shard, no health report yet): nothing to resume from
         return ResumeAnswer(None, None, f"{source}: run not in the catalog yet", catalogued=False)

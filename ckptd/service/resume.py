@@ -116,6 +116,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
             f" at or before step {opts.max_step}" if opts.max_step is not None else ""))
         err.skipped = skipped  # type: ignore[attr-defined]
+        err.unjudged = list(decision.unjudged)  # type: ignore[attr-defined]
         raise err
     ckpt = s.get(Checkpoint, decision.chosen.id)
     assert ckpt is not None
