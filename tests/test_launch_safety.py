@@ -136,19 +136,103 @@ def test_each_attempt_gets_its_own_msrun_log_dir(command, want):
     assert got == want and logs == ("/l/attempt_3" if got != command else None)
 
 
-def test_sink_mode_is_refused_at_train_begin(ms, monkeypatch):
+def test_sink_mode_is_refused_at_train_begin(ms, monkeypatch, tmp_path):
     """Ascend's default, untestable here (MindSpore on CPU trains non-sink whatever was asked): the
     callback refuses it with what to change instead of resuming wrongly. MindSpore's own RunContext."""
-    from mindspore.train.callback import RunContext
+    from mindspore.train.callback import CheckpointConfig, ModelCheckpoint, RunContext
     from mindspore.train.callback._callback import InternalCallbackParam
 
     from ckptd.integrations.mindspore_callback import CkptdCallback
 
-    monkeypatch.delenv("CKPTD_HEARTBEAT_DIR", raising=False)
+    for var in ("CKPTD_HEARTBEAT_DIR", "CKPTD_RUN_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    ckptd_cb = CkptdCallback()
     cb = InternalCallbackParam()
-    cb.list_callback, cb.cur_step_num = [], 0
+    config = CheckpointConfig(integrated_save=False, append_info=["step_num"])
+    cb.list_callback = [ModelCheckpoint(directory=str(tmp_path / "rank_0"), config=config), ckptd_cb]
+    cb.cur_step_num = 0
     cb.dataset_sink_mode = True
     with pytest.raises(RuntimeError, match="dataset_sink_mode=True is not supported.*dataset_sink_mode=False"):
-        CkptdCallback().on_train_begin(RunContext(cb))
+        ckptd_cb.on_train_begin(RunContext(cb))
     cb.dataset_sink_mode = False
-    CkptdCallback().on_train_begin(RunContext(cb))
+    ckptd_cb.on_train_begin(RunContext(cb))
+
+
+# --- the rest of the checklist checked at train begin, in a real Model.train ------------------------
+
+
+def train_tiny(ms, run_dir: Path, *, ckpt: str = "after", directory: str = "rank_0", integrated_save: bool = False,
+               append_info: list | None = None, save_net_only: bool = False, shuffle: bool = False) -> Path:
+    """One epoch of 2 steps of a tiny ``Model.train`` with ``ModelCheckpoint`` (``ckpt``: "after" /
+    "before" ``CkptdCallback`` in callbacks, or "none") writing into ``run_dir/directory``, as rank
+    0 of the launcher's run ``run_dir`` (its environment variables). Returns the checkpoint directory."""
+    import numpy as np
+    from mindspore import dataset as mds
+    from mindspore import nn
+    from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
+
+    from ckptd.integrations.mindspore_callback import CkptdCallback
+
+    rng = np.random.default_rng(0)
+    data = mds.NumpySlicesDataset({"x": rng.standard_normal((4, 3)).astype(np.float32),
+                                   "y": rng.standard_normal((4, 1)).astype(np.float32)}, shuffle=shuffle).batch(2)
+    net = nn.Dense(3, 1)
+    model = Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    config = CheckpointConfig(save_checkpoint_steps=1, integrated_save=integrated_save,
+                              append_info=["epoch_num", "step_num"] if append_info is None else append_info,
+                              saved_network=net if save_net_only else None)
+    rank_dir = run_dir / directory
+    ckpt_cb = ModelCheckpoint(prefix="net", directory=str(rank_dir), config=config)
+    ckptd_cb = CkptdCallback()
+    callbacks = {"after": [ckpt_cb, ckptd_cb], "before": [ckptd_cb, ckpt_cb], "none": [ckptd_cb]}[ckpt]
+    model.train(1, data, callbacks=callbacks, dataset_sink_mode=False)
+    return rank_dir
+
+
+@pytest.fixture
+def as_launched(tmp_path, monkeypatch) -> Path:
+    """The environment ``ckptd launch --run-dir <tmp>/myrun`` gives rank 0 (no oracle, no resume)."""
+    run_dir = tmp_path / "myrun"
+    monkeypatch.setenv("CKPTD_HEARTBEAT_DIR", str(run_dir / "heartbeat"))
+    monkeypatch.setenv("CKPTD_RUN_NAME", "myrun")
+    monkeypatch.setenv("RANK_ID", "0")
+    for var in ("CKPTD_URL", "CKPTD_RESUME_FILE", "CKPTD_ATTEMPT"):
+        monkeypatch.delenv(var, raising=False)
+    return run_dir
+
+
+@pytest.mark.parametrize("how, why", [
+    (dict(ckpt="none"), r"no ModelCheckpoint among Model.train's callbacks: nothing would be saved .*; add "
+                        r"ModelCheckpoint\(directory=os.path.join\(run_dir, f\"rank_\{rank\}\"\), ...\) "
+                        r"before CkptdCallback"),
+    (dict(ckpt="before"), r"listed before ModelCheckpoint in callbacks: .*; list it after: callbacks=\[ckpt, ckptd_cb"),
+    (dict(directory="rank_1"), r"ModelCheckpoint writes into .*/myrun/rank_1, not .*/myrun/rank_0: ckptd would "
+                               r"never find rank 0's saves .*; pass directory=os.path.join\(run_dir, "
+                               r"f\"rank_\{rank\}\"\)"),
+    (dict(directory="../elsewhere/rank_0"), r"ModelCheckpoint writes into .*/elsewhere/rank_0, not .*/myrun/rank_0"),
+    (dict(integrated_save=True), r"ModelCheckpoint's CheckpointConfig has integrated_save=True: ranks would "
+                                 r"save merged tensors, not their own shards; pass integrated_save=False to "
+                                 r"CheckpointConfig"),
+    (dict(append_info=[], save_net_only=True), r"ModelCheckpoint's files would hold no step .*; pass "
+                                               r"append_info=\[\"epoch_num\", \"step_num\"\] to CheckpointConfig"),
+], ids=["no-ModelCheckpoint", "ckptd-before-ModelCheckpoint", "another-rank's-dir", "outside-the-run-dir",
+        "integrated_save", "no-step-in-the-files"])
+def test_a_misconfigured_job_is_refused_at_train_begin(ms, as_launched, how, why):
+    """Each item of the README's checklist the callback can see: refused in one line saying what to
+    change, out of Model.train before its first step (nothing saved)."""
+    with pytest.raises(RuntimeError, match=f"^CkptdCallback: {why}") as err:
+        train_tiny(ms, as_launched, **how)
+    assert "\n" not in str(err.value)
+    assert not list(as_launched.parent.rglob("*.ckpt")) and not (as_launched / "heartbeat" / "rank_0.exit").exists()
+
+
+def test_a_job_as_the_readme_says_trains_and_a_reshuffling_dataset_only_warns(ms, as_launched, caplog):
+    """What the checklist asks passes (also the optimizer's global_step in place of append_info's
+    step_num); a dataset that reshuffles every epoch resumes, only not bit-exactly: a warning."""
+    rank_dir = train_tiny(ms, as_launched)
+    assert (rank_dir / "net-1_2.ckpt.done").exists() and (as_launched / "heartbeat" / "rank_0.exit").exists()
+    assert "reshuffles" not in caplog.text
+    rank_dir = train_tiny(ms, as_launched, append_info=[], shuffle=True)  # global_step holds the step
+    assert (rank_dir / "net_1-1_2.ckpt.done").exists()
+    assert ("CkptdCallback: the training dataset reshuffles every epoch (RandomSampler of NumpySlicesDataset)"
+            in caplog.text)

@@ -28,8 +28,13 @@ What it does, per rank:
   and tells every ``ModelCheckpoint`` that this step is already saved, so saves land on the same
   steps, with the same names and ``step_num``, as in an uninterrupted run.
 
-Sink mode (``dataset_sink_mode=True``, Ascend's default) is refused at train begin with a clear
-error; on CPU MindSpore trains non-sink whatever was asked, so the refusal never fires there.
+At train begin it refuses, with one line saying what to change (a ``RuntimeError`` out of
+``Model.train``, before the first step), what would make the run unresumable or its resume wrong:
+sink mode (``dataset_sink_mode=True``, Ascend's default; on CPU MindSpore trains non-sink whatever
+was asked, so that refusal never fires there), no ``ModelCheckpoint``, ``CkptdCallback`` listed
+before it, a ``ModelCheckpoint`` not writing into ``<run-dir>/rank_<r>`` (under the launcher), with
+``integrated_save=True``, or whose files would hold no step. A dataset that reshuffles every epoch
+only gets a warning: the run resumes, just not bit-exactly.
 
 The data position is exact for a dataset that yields the same batches in the same order every
 epoch (no shuffle, or a shuffle whose order does not depend on the epoch count): MindSpore's
@@ -39,6 +44,7 @@ pipeline restarts its epoch count at ``initial_epoch``.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -51,6 +57,54 @@ from ckptd.launcher.heartbeat import HealthReporter, Heartbeat, write_sidecar
 
 #: the thread MindSpore's save_checkpoint(async_save=True) writes the file from
 ASYNC_SAVE_THREAD = "asyn_save_ckpt"
+
+log = logging.getLogger(__name__)
+
+
+def _launcher_run_dir() -> str | None:
+    """The run dir ``ckptd launch`` runs this job for: it sets ``CKPTD_HEARTBEAT_DIR=<run-dir>/heartbeat``
+    and ``CKPTD_RUN_NAME`` to the run dir's name (None: not under the launcher)."""
+    hb, run = os.environ.get("CKPTD_HEARTBEAT_DIR"), os.environ.get("CKPTD_RUN_NAME")
+    if not hb or not run:
+        return None
+    run_dir = os.path.dirname(os.path.normpath(hb))
+    return run_dir if os.path.basename(run_dir) == run else None
+
+
+def _param(cb: object, name: str) -> object:
+    """A callback parameter that may be absent: MindSpore's ``InternalCallbackParam`` is a dict whose
+    missing attributes raise ``KeyError``, not ``AttributeError``."""
+    return cb.get(name) if isinstance(cb, dict) else getattr(cb, name, None)
+
+
+def _refuse(what: str, fix: str) -> RuntimeError:
+    """One line: what is wrong and why it matters, then what to change."""
+    return RuntimeError(f"CkptdCallback: {what}; {fix}")
+
+
+def _epoch_shuffle(dataset: object) -> str | None:
+    """The first op of ``dataset``'s pipeline that reshuffles every epoch (None: none found). Best
+    effort, by MindSpore's own attributes: a ``.shuffle()`` op, a random sampler, or a source's
+    ``shuffle=True`` (its sampler); a shuffle in a user's generator is invisible here."""
+    todo, seen = [dataset], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if name == "ShuffleDataset" and getattr(node, "reshuffle_each_epoch", True):
+            return "a .shuffle() op"
+        sampler = getattr(node, "sampler", None)
+        while sampler is not None:
+            mode = getattr(getattr(sampler, "shuffle", False), "value", None)  # a mindspore.dataset.Shuffle
+            mode = getattr(sampler, "shuffle", False) if mode is None else mode  # or a bool
+            shuffles = "Random" in type(sampler).__name__ or mode not in (False, None, "false")
+            if shuffles and getattr(sampler, "reshuffle_each_epoch", True):
+                return f"{type(sampler).__name__} of {name}"
+            sampler = getattr(sampler, "child_sampler", None)
+        todo.extend(getattr(node, "children", None) or [])
+    return None
 
 
 def _rank() -> int:
@@ -93,8 +147,10 @@ class CkptdCallback(Callback):
     """See the module docstring. Arguments default to the launcher's environment variables."""
 
     def __init__(self, heartbeat_dir: str | None = None, ckptd_url: str | None = None, run_name: str | None = None,
-                 report_health: bool | None = None) -> None:
+                 report_health: bool | None = None, run_dir: str | None = None) -> None:
         super().__init__()
+        #: where ModelCheckpoint must write (``<run-dir>/rank_<r>``): checked at train begin when known
+        self.run_dir = run_dir or _launcher_run_dir()
         self.attempt = int(os.environ.get("CKPTD_ATTEMPT", "0"))
         hb_dir = heartbeat_dir or os.environ.get("CKPTD_HEARTBEAT_DIR")
         self.rank = _rank()
@@ -176,7 +232,7 @@ class CkptdCallback(Callback):
 
     def on_train_begin(self, run_context) -> None:
         cb = run_context.original_args()
-        if getattr(cb, "dataset_sink_mode", False):
+        if _param(cb, "dataset_sink_mode"):
             # In sink mode step callbacks run once per sink (an epoch by default): heartbeats, save
             # commits and the restored step position are not per step, and none of it is tested
             # (Ascend only; MindSpore on CPU trains non-sink whatever was asked). Refused, not guessed.
@@ -184,11 +240,62 @@ class CkptdCallback(Callback):
                                "commits and exact resume need per-step callbacks; pass dataset_sink_mode=False "
                                "to Model.train")
         self._check_rank()
+        self._check_checkpointing(cb)
+        if (shuffle := _epoch_shuffle(_param(cb, "train_dataset"))) is not None:
+            # not refused: the run resumes at the right step with the right weights, only the
+            # batches of the resumed epochs differ from an uninterrupted run's
+            log.warning("CkptdCallback: the training dataset reshuffles every epoch (%s): a resumed run sees "
+                        "other batches than an uninterrupted one would (not bit-exact); for an exact resume "
+                        "use shuffle=False or a shuffle that does not depend on the epoch", shuffle)
         if self.resume_step:
             cb.cur_step_num = self.resume_step
             for other in cb.list_callback:
                 if isinstance(other, ModelCheckpoint):
                     other._last_triggered_step = self.resume_step  # noqa: SLF001 -- as MindSpore's own resume does
+
+    def _check_checkpointing(self, cb) -> None:
+        """What would leave the launcher nothing to resume from, or a resume it cannot load."""
+        callbacks = list(_param(cb, "list_callback") or [])
+        ckpts = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+        fix_dir = "ModelCheckpoint(directory=os.path.join(run_dir, f\"rank_{rank}\"), ...)"
+        if not ckpts:
+            raise _refuse("no ModelCheckpoint among Model.train's callbacks: nothing would be saved and every "
+                          "restart would train from step 0", f"add {fix_dir} before CkptdCallback in callbacks")
+        mine = next((i for i, c in enumerate(callbacks) if c is self), None)
+        if mine is not None and mine < callbacks.index(ckpts[-1]):
+            # callbacks run in list order: the save a step issues would be seen (and committed) a step
+            # late, and the final one, issued in ModelCheckpoint's train end, after the exit marker
+            raise _refuse("listed before ModelCheckpoint in callbacks: saves would be committed a step late, and "
+                          "one issued at train end never", "list it after: callbacks=[ckpt, ckptd_cb, ...]")
+        for ckpt in ckpts:
+            config = ckpt._config  # noqa: SLF001 -- MindSpore keeps the CheckpointConfig there, no accessor
+            # MindFormers' CheckpointMonitor(use_legacy_format=False) saves elsewhere, not through _directory;
+            # a directory function is only called at each save
+            directory = None if (getattr(ckpt, "_directory_func", None) or getattr(ckpt, "use_legacy_format", True)
+                                 is False) else getattr(ckpt, "_directory", None)
+            if self.run_dir and directory is not None:
+                want = {os.path.realpath(runlayout.shard_dir(self.run_dir, self.rank, layout))
+                        for layout in (runlayout.NATIVE, runlayout.MINDFORMERS)}
+                if os.path.realpath(directory) not in want:
+                    mine_dir = runlayout.shard_dir(self.run_dir, self.rank)
+                    raise _refuse(f"ModelCheckpoint writes into {directory}, not {mine_dir}: ckptd would never "
+                                  f"find rank {self.rank}'s saves of this run",
+                                  f"pass directory=os.path.join(run_dir, f\"rank_{{rank}}\") to ModelCheckpoint, "
+                                  f"run_dir being ckptd launch's --run-dir")
+            if config.integrated_save:
+                # under model parallelism every rank's file would hold the gathered whole tensors, not its
+                # shard: neither loadable as this rank's shard nor re-shardable. Under data parallelism it
+                # changes nothing yet; refused alike, so that a later switch of parallel mode cannot break
+                # resume silently (the README's checklist requires False)
+                raise _refuse("ModelCheckpoint's CheckpointConfig has integrated_save=True: ranks would save merged "
+                              "tensors, not their own shards", "pass integrated_save=False to CheckpointConfig")
+            network = config.saved_network if config.saved_network is not None else _param(cb, "train_network")
+            if ("step_num" not in (config.append_dict or {}) and network is not None
+                    and "global_step" not in {p.name for p in network.get_parameters()}):
+                # restore() learns the step a file holds from step_num, else the optimizer's global_step
+                raise _refuse("ModelCheckpoint's files would hold no step (no \"step_num\" in append_info, no "
+                              "optimizer global_step in the saved network): restore() could not resume them",
+                              "pass append_info=[\"epoch_num\", \"step_num\"] to CheckpointConfig")
 
     def on_train_step_begin(self, run_context) -> None:
         cb = run_context.original_args()

@@ -61,8 +61,9 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
         "nodes": {str(n): c for n, c in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
         "world_size": run.world_size,
         "steps": counts,
-        "latest_restorable_step": latest[0] if latest else None,
-        "latest_restorable_at": iso_time(latest[1]) if latest else None,
+        # as users count training (the global step), not the file names' within-epoch number
+        "latest_restorable_step": stepname.users_step(latest[0], None, latest[1], latest[2]) if latest else None,
+        "latest_restorable_at": iso_time(latest[3]) if latest else None,
         "created_at": iso_time(run.created_at),
     }
 
