@@ -19,3 +19,39 @@ def test_users_step_note_and_label(global_step, shards_step, epoch, name_step, u
     assert stepname.users_step(global_step, shards_step, epoch, name_step) == users
     assert stepname.file_name_note(epoch, name_step, users) == note
     assert stepname.label(global_step, shards_step, epoch, name_step) == label
+
+
+def test_run_rows_name_the_newest_restorable_step_by_its_global_step(ms, root, tmp_path):
+    """``GET /v1/runs`` and ``ckptd ls``'s LATEST RESTORABLE column (both ``run_dict``): a plain job
+    with 6-step epochs names global step 12 ``net-2_6.ckpt``; the run row says 12, not 6, and a step
+    marked bad is not the latest restorable one."""
+    from sqlalchemy.orm import sessionmaker
+
+    from ckptd.catalog.db import make_engine
+    from ckptd.service.catalog import get_run, mark_bad, run_dict
+    from tests.daemon_helpers import migrated_sqlite, query, started_daemon, wait_for
+
+    url = migrated_sqlite(tmp_path / "catalog.db")
+    rank_dir = root / "job" / "rank_0"
+    rank_dir.mkdir(parents=True)
+    for epoch, name_step, global_step in ((1, 6, 6), (2, 3, 9), (2, 6, 12)):
+        ms.save_checkpoint([{"name": "w", "data": ms.Tensor([float(global_step)])}],
+                           str(rank_dir / f"net-{epoch}_{name_step}.ckpt"),
+                           append_dict={"epoch_num": epoch, "step_num": global_step})
+    d = started_daemon(root, url)
+    try:
+        wait_for(lambda: [r[0] for r in query(url, "SELECT state FROM checkpoints")] == ["verified"] * 3, 60,
+                 what="three verified steps")
+    finally:
+        d.stop()
+    engine = make_engine(url)
+    try:
+        sessions = sessionmaker(engine, expire_on_commit=False)
+        with sessions.begin() as s:
+            assert run_dict(s, get_run(s, "job"))["latest_restorable_step"] == 12
+        with sessions.begin() as s:
+            mark_bad(s, "job", 12, "loss spike")
+        with sessions.begin() as s:
+            assert run_dict(s, get_run(s, "job"))["latest_restorable_step"] == 9
+    finally:
+        engine.dispose()
