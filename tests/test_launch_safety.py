@@ -162,10 +162,13 @@ def test_sink_mode_is_refused_at_train_begin(ms, monkeypatch, tmp_path):
 
 
 def train_tiny(ms, run_dir: Path, *, ckpt: str = "after", directory: str = "rank_0", integrated_save: bool = False,
-               append_info: list | None = None, save_net_only: bool = False, shuffle: bool = False) -> Path:
-    """One epoch of 2 steps of a tiny ``Model.train`` with ``ModelCheckpoint`` (``ckpt``: "after" /
-    "before" ``CkptdCallback`` in callbacks, or "none") writing into ``run_dir/directory``, as rank
-    0 of the launcher's run ``run_dir`` (its environment variables). Returns the checkpoint directory."""
+               append_info: list | None = None, save_net_only: bool = False, shuffle: bool = False, epochs: int = 1,
+               restore: bool = False, pass_initial_epoch: bool = True) -> Path:
+    """``epochs`` epochs of 2 steps of a tiny ``Model.train`` with ``ModelCheckpoint`` (``ckpt``:
+    "after" / "before" ``CkptdCallback`` in callbacks, or "none") writing into ``run_dir/directory``,
+    as rank 0 of the launcher's run ``run_dir`` (its environment variables); ``restore``: calls
+    ``CkptdCallback.restore`` first (and passes its ``initial_epoch`` on, unless told not to).
+    Returns the checkpoint directory."""
     import numpy as np
     from mindspore import dataset as mds
     from mindspore import nn
@@ -184,8 +187,10 @@ def train_tiny(ms, run_dir: Path, *, ckpt: str = "after", directory: str = "rank
     rank_dir = run_dir / directory
     ckpt_cb = ModelCheckpoint(prefix="net", directory=str(rank_dir), config=config)
     ckptd_cb = CkptdCallback()
+    initial_epoch = ckptd_cb.restore(data, net, model.train_network.optimizer) if restore else 0
     callbacks = {"after": [ckpt_cb, ckptd_cb], "before": [ckptd_cb, ckpt_cb], "none": [ckptd_cb]}[ckpt]
-    model.train(1, data, callbacks=callbacks, dataset_sink_mode=False)
+    model.train(epochs, data, callbacks=callbacks, dataset_sink_mode=False,
+                initial_epoch=initial_epoch if pass_initial_epoch else 0)
     return rank_dir
 
 
@@ -236,3 +241,24 @@ def test_a_job_as_the_readme_says_trains_and_a_reshuffling_dataset_only_warns(ms
     assert (rank_dir / "net_1-1_2.ckpt.done").exists()
     assert ("CkptdCallback: the training dataset reshuffles every epoch (RandomSampler of NumpySlicesDataset)"
             in caplog.text)
+
+
+def test_a_resume_without_restore_or_its_initial_epoch_is_refused(ms, as_launched, monkeypatch):
+    """Under a resume (``$CKPTD_RESUME_FILE``) a job that forgot ``restore()`` would train from step
+    0, one that forgot to pass its ``initial_epoch`` would replay epoch 1 under step 3's weights:
+    refused before any step trains. Both done: it goes on from step 2 (epoch 2)."""
+    rank_dir = train_tiny(ms, as_launched)  # saves steps 1 and 2 (epoch 1: 2 steps)
+    answer = as_launched / "resume.json"
+    answer.write_text(json.dumps({"global_step": 2, "shards": [{"rank": 0, "path": str(rank_dir / "net-1_2.ckpt")}]}))
+    monkeypatch.setenv("CKPTD_RESUME_FILE", str(answer))
+    with pytest.raises(RuntimeError, match=r"^CkptdCallback: the launcher resumes this run \(\$CKPTD_RESUME_FILE\) "
+                                           r"but restore\(\) was not called: .*; call initial_epoch = "
+                                           r"ckptd_cb.restore\(dataset, net, optimizer\) before Model.train"):
+        train_tiny(ms, as_launched, epochs=2)
+    with pytest.raises(RuntimeError, match=r"^CkptdCallback: Model.train starts at epoch 1, but restore\(\) "
+                                           r"resumed in epoch 2 \(step 2\); pass initial_epoch=initial_epoch"):
+        train_tiny(ms, as_launched, epochs=2, restore=True, pass_initial_epoch=False)
+    assert sorted(p.name for p in rank_dir.glob("*.ckpt")) == ["net-1_1.ckpt", "net-1_2.ckpt"]  # nothing new
+    train_tiny(ms, as_launched, epochs=2, restore=True)  # steps 3 and 4, epoch 2's
+    assert sorted(p.name for p in rank_dir.glob("*.ckpt")) == ["net-1_1.ckpt", "net-1_2.ckpt", "net_1-2_1.ckpt",
+                                                                "net_1-2_2.ckpt"]

@@ -33,7 +33,8 @@ At train begin it refuses, with one line saying what to change (a ``RuntimeError
 sink mode (``dataset_sink_mode=True``, Ascend's default; on CPU MindSpore trains non-sink whatever
 was asked, so that refusal never fires there), no ``ModelCheckpoint``, ``CkptdCallback`` listed
 before it, a ``ModelCheckpoint`` not writing into ``<run-dir>/rank_<r>`` (under the launcher), with
-``integrated_save=True``, or whose files would hold no step. A dataset that reshuffles every epoch
+``integrated_save=True``, or whose files would hold no step, and a resume without :meth:`restore`
+(or, at the first step, without its ``initial_epoch``). A dataset that reshuffles every epoch
 only gets a warning: the run resumes, just not bit-exactly.
 
 The data position is exact for a dataset that yields the same batches in the same order every
@@ -163,6 +164,8 @@ class CkptdCallback(Callback):
         self.health = HealthReporter(url if (report and run) else None, run or "", os.environ.get("CKPTD_TOKEN"))
         self.resume_step = 0
         self.resumed_from: str | None = None
+        #: what restore() returned for a dataset it positioned: Model.train's first epoch must follow it
+        self._initial_epoch: int | None = None
         self._first_step = True
         self._step = 0
         #: shard path -> the thread writing its sidecar (kept while the shard exists)
@@ -209,6 +212,7 @@ class CkptdCallback(Callback):
             if in_epoch:
                 dataset.set_init_step(in_epoch)  # type: ignore[attr-defined]  # skip what the epoch consumed
         self.resume_step, self.resumed_from = step, mine[0]
+        self._initial_epoch = initial_epoch if dataset is not None else None
         self._step = step
         self._beat(step, "starting")
         return initial_epoch
@@ -240,6 +244,10 @@ class CkptdCallback(Callback):
                                "commits and exact resume need per-step callbacks; pass dataset_sink_mode=False "
                                "to Model.train")
         self._check_rank()
+        if os.environ.get("CKPTD_RESUME_FILE") and self.resumed_from is None:
+            raise _refuse("the launcher resumes this run ($CKPTD_RESUME_FILE) but restore() was not called: it "
+                          "would train from step 0", "call initial_epoch = ckptd_cb.restore(dataset, net, optimizer) "
+                          "before Model.train and pass initial_epoch=initial_epoch to it")
         self._check_checkpointing(cb)
         if (shuffle := _epoch_shuffle(_param(cb, "train_dataset"))) is not None:
             # not refused: the run resumes at the right step with the right weights, only the
@@ -299,6 +307,12 @@ class CkptdCallback(Callback):
 
     def on_train_step_begin(self, run_context) -> None:
         cb = run_context.original_args()
+        if self._first_step and self._initial_epoch is not None and int(cb.cur_epoch_num) != self._initial_epoch + 1:
+            # Model.train's epoch is only known at its first step: still before anything trained; a
+            # wrong epoch would replay (or skip) epochs and misname every save
+            raise _refuse(f"Model.train starts at epoch {cb.cur_epoch_num}, but restore() resumed in epoch "
+                          f"{self._initial_epoch + 1} (step {self.resume_step})",
+                          "pass initial_epoch=initial_epoch (restore()'s return value) to Model.train")
         self._step = int(cb.cur_step_num)
         # the first step of an attempt compiles the graph: still "starting" for the launcher
         self._beat(self._step, "starting" if self._first_step else "compute")
