@@ -202,6 +202,14 @@ def test_user_job_resumes_bit_exact_after_kill_kill_during_async_save_and_hang(t
     assert "skipped 12 (" in resumed_2 and "files named epoch 2 step 6" in resumed_2, resumed_2
     assert not re.search(r"catalog_(settled|lagging) .*steps=\"?2=", log), log  # step 8 is not "2"
     assert "attempt=3 event=finished" in log
+    # msrun's logs of every attempt survive the restarts in their own attempt_<k> (issue 25, item 6):
+    # the failed attempts' worker logs are still there, each named in its attempt's started line
+    msrun_logs = run_dir / "msrun_logs"
+    assert sorted(p.name for p in msrun_logs.iterdir()) == [f"attempt_{k}" for k in range(4)]
+    for k in range(4):
+        started = next(line for line in log.splitlines() if f"attempt={k} event=started" in line)
+        assert f"msrun_logs={msrun_logs / f'attempt_{k}'}" in started, started
+        assert len(list((msrun_logs / f"attempt_{k}").glob("worker_*.log"))) == 2, k
     got, want = losses(run_dir), losses(ref_dir)
     assert sorted(got) == list(range(1, STEPS_PER_EPOCH * EPOCHS + 1)) == sorted(want)
     for step, hexes in got.items():  # every attempt that ran a step computed the reference's loss
