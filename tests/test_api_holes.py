@@ -232,15 +232,50 @@ def test_a_huge_data_parallel_target_is_refused_before_planning(ms, tmp_path):
     assert len(plan.ranks) == 4
 
 
-def test_a_conversion_beyond_the_bytes_bound_fails_its_job_without_writing(ms, root, sqlite_url):
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 3), (2, 40), (1, 100)])
+def test_the_request_estimate_never_exceeds_what_the_planner_counts(ms, tmp_path, tp, dp):
+    """The API's estimate (:func:`least_output_bytes`, strategies and byte counts only) is a lower
+    bound of the planner's exact count: below the estimate the planner refuses too, so the request
+    check refuses nothing the job would have converted."""
+    from ckptd.convert import derive_strategy, plan_conversion
+    from ckptd.convert.plan import ConvertError, least_output_bytes
+
+    inventory, src = _inventory_and_strategy(ms, tmp_path)
+    source_bytes = sum(e.nbytes for s in inventory for e in s.entries)
+    dst = derive_strategy(src, tp=tp, dp=dp)
+    least = least_output_bytes(source_bytes, src, dst)
+    assert least >= dp * source_bytes // 2  # not vacuous: dp copies of everything (the 2 source ranks' b: half that)
+    with pytest.raises(ConvertError, match="bytes"):
+        plan_conversion(inventory, src, dst, max_output_bytes=least - 1)
+
+
+def test_a_conversion_beyond_the_bytes_bound_is_400_before_any_job(ms, root, sqlite_url):
+    """tp=2,dp=2000 of a 2-rank step would write ~2,000x its bytes: refused by the request check
+    (from the catalog's shard sizes and strategy, the planner's own bound), not a 202 and a failed
+    job; and a direct conversion (``ckptd convert --run`` runs the same function) is still refused by
+    the planner before a byte is written."""
+    from ckptd.convert.plan import ConvertError
+    from ckptd.service import conversions
+
     with _server(root, sqlite_url) as srv:
         _verified_step(ms, srv, root)
         r = srv.client("a-token").post("/v1/runs/run1/conversions", json={"step": 100, "to_layout": "tp=2,dp=2000"})
-        assert r.status_code == 202, r.text
-        job = _wait_job(srv, r.json()["id"])
-        assert job["state"] == "failed" and "bytes" in job["error"], job
+        assert r.status_code == 400, r.text
+        detail = r.json()["detail"]
+        assert detail["message"].startswith("to_layout 'tp=2,dp=2000': the conversion would write about "), detail
+        assert "4000 destination ranks" in detail["message"] and "64 x the source step's" in detail["message"], detail
+        assert "dp=N writes them N times" in detail["hint"], detail
+        assert srv.client("r-token").get("/v1/jobs").json() == []
+        assert query(sqlite_url, "SELECT count(*) FROM jobs") == [(0,)]
+        assert query(sqlite_url, "SELECT count(*) FROM conversion_jobs") == [(0,)]
+        assert not (root / "run1" / "converted").exists()
+        ok = srv.client("a-token").post("/v1/runs/run1/conversions", json={"step": 100, "to_layout": "tp=2,dp=8"})
+        assert ok.status_code == 202, ok.text  # 8x: within the bound
+        assert _wait_job(srv, ok.json()["id"])["state"] == "done"
+        with pytest.raises(ConvertError, match="bytes to 4000 destination ranks"):  # the second line of defence
+            conversions.convert_step(srv.daemon.sessions, str(root), "run1", 100, to_layout="tp=2,dp=2000")
         converted = root / "run1" / "converted"
-        assert not converted.exists() or not any(converted.rglob("*.ckpt")), list(converted.rglob("*"))
+        assert len(list(converted.iterdir())) == 1, list(converted.rglob("*"))  # the dp=8 copy only
 
 
 def test_a_running_conversion_is_cancelled_at_its_next_progress_report(ms, root, sqlite_url):

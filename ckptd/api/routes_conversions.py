@@ -10,10 +10,7 @@ from ckptd.api.deps import AdminScope, ReadScope, RunName, SessionDep
 from ckptd.api.errors import responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.schemas import ConversionOut, ConversionRequest, JobOut
-from ckptd.convert.layouts import parse_layout_spec
-from ckptd.runlayout import resolves_inside
 from ckptd.service import conversions
-from ckptd.service.catalog import InvalidRequestError
 
 router = APIRouter(prefix="/v1/runs", tags=["conversions"], responses=responses(400, 401, 403, 404, 422))
 
@@ -30,17 +27,10 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
 
     The result is catalogued as a converted copy, which ``/resume?world_size=W`` then points at.
     """
-    settings = request.app.state.settings
-    root = str(settings.root)
-    if (body.to_layout is None) == (body.to_strategy is None):
-        raise InvalidRequestError("give exactly one of to_layout / to_strategy")
-    if body.to_layout is not None:
-        parse_layout_spec(body.to_layout)  # the job's own parser: a bad layout is 400 now, not a failed job later
-    if body.to_strategy not in (None, "none") and not resolves_inside(root, body.to_strategy):
-        raise InvalidRequestError("to_strategy must be a file inside the checkpoint root", hint="copy it under the run directory")
+    root = str(request.app.state.settings.root)
     daemon = request.app.state.daemon
-    with daemon.sessions() as s:
-        conversions.check_source(s, run, body.step)  # 404 / 400 now, not a failed job later
+    with daemon.sessions() as s:  # 400 / 404 now, not a failed job later (a too-large to_layout too)
+        conversions.check_request(s, root, run, body.step, to_layout=body.to_layout, to_strategy=body.to_strategy)
 
     def work(progress):  # noqa: ANN001, ANN202
         doc = conversions.convert_step(

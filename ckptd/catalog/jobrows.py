@@ -10,7 +10,7 @@ import os
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ckptd.catalog import repo
@@ -67,6 +67,13 @@ def verified_files(s: Session, ckpt_id: int) -> dict[int, str]:
     """rank -> path of a step's verified shards."""
     return dict(s.execute(select(Shard.rank, Shard.path).where(
         Shard.checkpoint_id == ckpt_id, Shard.state == ShardState.VERIFIED.value)).all())
+
+
+def verified_bytes(s: Session, ckpt_id: int) -> int:
+    """The bytes of a step's verified shard files (their sizes when verified)."""
+    total = s.execute(select(func.sum(Shard.size)).where(
+        Shard.checkpoint_id == ckpt_id, Shard.state == ShardState.VERIFIED.value)).scalar_one()
+    return int(total or 0)
 
 
 def trained_saves(s: Session, run_id: int, step: int) -> list[Checkpoint]:

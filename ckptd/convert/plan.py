@@ -39,6 +39,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from ckptd.convert.consistency import check_sources
 from ckptd.convert.plan_types import (  # re-exported: ckptd.convert.plan is where callers import them from
@@ -62,7 +63,8 @@ from ckptd.format.strategy import Strategy
 
 __all__ = [
     "CHUNK_BYTES", "MAP_TENSOR_TYPE", "RANK_ID_ENTRY", "ConversionPlan", "ConvertError", "Piece", "RankPlan",
-    "ShardEntry", "SourceShard", "TaskKind", "TensorTask", "plan_conversion",
+    "ShardEntry", "SourceShard", "TaskKind", "TensorTask", "check_output_bytes", "least_output_bytes",
+    "output_bytes_bound", "plan_conversion",
 ]
 
 _MAX_LISTED = 12  # problems listed in one ConvertError
@@ -73,6 +75,60 @@ _MAX_LISTED = 12  # problems listed in one ConvertError
 #: any elastic restart, while a typo (dp=2000 of a 2-rank step: ~1,900x) is refused before it fills
 #: the disk and holds the job queue.
 MAX_OUTPUT_FACTOR = 64
+_OUTPUT_HINT = ("check the target layout: every destination rank holds its own copy of each replicated "
+                "parameter, so dp=N writes them N times; convert only the ranks needed if that is intended")
+
+
+def output_bytes_bound(source_bytes: int) -> int:
+    """The most a conversion of a step whose files hold ``source_bytes`` may write unless told
+    otherwise: :data:`MAX_OUTPUT_FACTOR` times them. The one rule, applied by the planner (exactly,
+    from the files' entries) and by the API before it queues a job (from the catalog, through
+    :func:`least_output_bytes`), both through :func:`check_output_bytes`."""
+    return MAX_OUTPUT_FACTOR * source_bytes
+
+
+def check_output_bytes(total: int, source_bytes: int, dst_ranks: int, limit: int | None = None, *,
+                       estimated: bool = False) -> None:
+    """Refuse (:class:`ConvertError`) writing ``total`` bytes to ``dst_ranks`` destination ranks from
+    a step of ``source_bytes``: more than ``limit`` (default :func:`output_bytes_bound`).
+    ``estimated``: ``total`` is :func:`least_output_bytes`'s estimate, said so in the message."""
+    basis = f" ({MAX_OUTPUT_FACTOR} x the source step's {source_bytes} bytes)" if limit is None else ""
+    limit = output_bytes_bound(source_bytes) if limit is None else limit
+    if total > limit:
+        raise ConvertError(
+            f"the conversion would write {'about ' if estimated else ''}{total} bytes to {dst_ranks} destination "
+            f"ranks, more than its bound of {limit} bytes{basis}",
+            hint=_OUTPUT_HINT,
+        )
+
+
+def least_output_bytes(source_bytes: int, src: Strategy, dst: Strategy) -> int:
+    """A lower bound on what :func:`plan_conversion` finds a conversion from ``src`` to ``dst``
+    writes, from the two strategies and the size of the source step's files alone (no file opened:
+    the API checks a request with it before it queues a job).
+
+    Every element of a parameter is held by ``stage ranks / split count`` ranks of each stage the
+    parameter is in; the planner counts the destination's that way, and the source's files hold at
+    most that many copies (at most the model-parallel slice per rank: optimizer shards may have been
+    merged on save; a missing rank or a redundancy-free save holds fewer). Entries in no strategy go
+    to every destination rank and come from at most every source rank. So the output is at least
+    the smallest ratio of destination to source copies, over all parameters and entries, times the
+    source's entry bytes. Given the files' bytes instead (the catalog's shard sizes: entries plus a
+    few bytes of framing each) the estimate is that ratio times them, and comparing it with
+    :func:`output_bytes_bound` of the same bytes refuses only when the ratio exceeds
+    :data:`MAX_OUTPUT_FACTOR`: never a conversion the planner would accept."""
+    def copies(strategy: Strategy, splits) -> dict[str, Fraction]:  # noqa: ANN001
+        out: dict[str, Fraction] = {}
+        for e in strategy.entries:
+            out[e.name] = out.get(e.name, Fraction(0)) + Fraction(strategy.stage_device_num,
+                                                                   max(1, math.prod(splits(e.layout))))
+        return out
+
+    held = copies(src, lambda lay: lay.mp_split_counts)
+    written = copies(dst, lambda lay: lay.split_counts)
+    ratios = [Fraction(dst.world_size, max(1, src.world_size))]
+    ratios += [written[n] / held[n] for n in written.keys() & held.keys() if held[n]]
+    return math.floor(min(ratios) * source_bytes)
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -274,8 +330,6 @@ def _check_output_bytes(shards: Mapping[int, SourceShard], psrc: Mapping[str, _S
     pass over the parameters per destination *stage*, never per rank: every rank of a stage holds
     equal slices (even splits), and entries outside the strategy are copied whole to every rank."""
     source_bytes = sum(e.nbytes for s in shards.values() for e in s.entries)
-    basis = f" ({MAX_OUTPUT_FACTOR} x the source step's {source_bytes} bytes)" if limit is None else ""
-    limit = MAX_OUTPUT_FACTOR * source_bytes if limit is None else limit
     whole = sum(shards[holders[n][0]].get(n).nbytes for n in nonlayout)  # type: ignore[union-attr]
     if dst is None:
         per_stage, counts = {0: sum(math.prod(p.full_shape) * itemsize(p.dtype) for p in psrc.values())}, {0: 1}
@@ -290,13 +344,7 @@ def _check_output_bytes(shards: Mapping[int, SourceShard], psrc: Mapping[str, _S
         wanted = None if ranks is None else set(ranks)
         counts = {s: dst_dev if wanted is None else sum(1 for r in wanted if r // dst_dev == s) for s in stages}
     total = sum(n * (per_stage.get(s, 0) + whole) for s, n in counts.items())
-    if total > limit:
-        raise ConvertError(
-            f"the conversion would write {total} bytes to {sum(counts.values())} destination ranks, more than its "
-            f"bound of {limit} bytes{basis}",
-            hint="check the target layout: every destination rank holds its own copy of each replicated "
-                 "parameter, so dp=N writes them N times; convert only the ranks needed if that is intended",
-        )
+    check_output_bytes(total, source_bytes, sum(counts.values()), limit)
 
 
 def _locate(name: str, src: Strategy | None, shards: Mapping[int, SourceShard], have: set[int], src_dev: int,

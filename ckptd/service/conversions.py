@@ -62,6 +62,48 @@ def check_source(s: Session, run_name: str, step: int) -> tuple[Checkpoint, dict
     return ckpt, files, strategy
 
 
+def check_request(s: Session, root: str, run_name: str, step: int, *, to_layout: str | None,
+                  to_strategy: str | None) -> None:
+    """Everything wrong with a conversion request that is known before a job runs, refused (400 /
+    404) before one is queued: both or neither target, a ``to_layout`` the job's own parser and
+    derivation refuse, a ``to_strategy`` outside the root, no verified save of ``step``, and a
+    ``to_layout`` whose output would exceed the bytes bound (:func:`_check_layout_bytes`)."""
+    if (to_layout is None) == (to_strategy is None):
+        raise InvalidRequestError("give exactly one of to_layout / to_strategy")
+    if to_layout is not None:
+        from ckptd.convert.layouts import parse_layout_spec
+
+        parse_layout_spec(to_layout)  # the job's own parser: a bad layout is 400 now, not a failed job later
+    if to_strategy not in (None, "none") and not runlayout.resolves_inside(root, to_strategy):
+        raise InvalidRequestError("to_strategy must be a file inside the checkpoint root", hint="copy it under the run directory")
+    ckpt, _, strat_row = check_source(s, run_name, step)
+    if to_layout is not None:
+        _check_layout_bytes(s, ckpt, strat_row, to_layout)
+
+
+def _check_layout_bytes(s: Session, ckpt: Checkpoint, strat_row: StrategyFile | None, to_layout: str) -> None:
+    """The planner's bytes bound (:func:`ckptd.convert.plan.output_bytes_bound`) on a ``to_layout``
+    target, estimated from the catalog: the step's verified file sizes and the strategy it was saved
+    with (:func:`ckptd.convert.plan.least_output_bytes`). A Checkpoint 2.0 step's layout is in its
+    files' ``metadata.json``, and a strategy row without content is a file to read: both are left to
+    the job, whose planner applies the same bound exactly."""
+    from ckptd.convert import derive_strategy, parse_layout_spec
+    from ckptd.convert.plan import check_output_bytes, least_output_bytes
+
+    if strat_row is None or strat_row.content is None or repo.run_layout(s, ckpt) == runlayout.CKPT2:
+        return
+    try:
+        src = parse_strategy_bytes(strat_row.content, strat_row.path)
+    except CkptdError:
+        return  # the job says what is wrong with the strategy it was saved with
+    try:
+        dst = derive_strategy(src, **parse_layout_spec(to_layout))
+        source_bytes = jobrows.verified_bytes(s, ckpt.id)
+        check_output_bytes(least_output_bytes(source_bytes, src, dst), source_bytes, dst.world_size, estimated=True)
+    except CkptdError as err:
+        raise InvalidRequestError(f"to_layout {to_layout.strip()!r}: {err.message}", hint=err.hint) from None
+
+
 def _saves_of(s: Session, run: Run, step: int) -> list[Checkpoint]:
     """Every trained save ``get_step`` could mean by ``step``, newest first."""
     return jobrows.trained_saves(s, run.id, step)
