@@ -7,8 +7,10 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from ckptd.format.checkpoint import open_checkpoint
 from ckptd.settings import Settings
@@ -86,6 +88,15 @@ def test_cli_convert_from_the_catalog(ms, root, catalog_url):
     doc = json.loads(out.stdout)
     assert doc["state"] == "done" and doc["report"]["verified"]
     out_file = doc["report"]["ranks"][0]["path"] if "ranks" in doc["report"] else None
+    # catalogued from the set's manifest (the digests taken while writing), true of the bytes on disk
+    from ckptd.convert.manifest import MANIFEST_NAME, parse_manifest
+
+    manifest = parse_manifest((Path(doc["out_dir"]) / MANIFEST_NAME).read_bytes(), doc["out_dir"])
+    rows = query(catalog_url, "SELECT rank, path, size, digest FROM shards WHERE checkpoint_id = :c",
+                 c=doc["output_checkpoint_id"])
+    assert sorted((r, os.path.relpath(p, doc["out_dir"]), size, d) for r, p, size, d in rows) == \
+        sorted((r, f.path, f.size, f.xxh3_128) for r, f in manifest.rank_files().items())
+    assert all(xxhash.xxh3_128_hexdigest(Path(p).read_bytes()) == d for _, p, _, d in rows)
     before = os.stat(out_file) if out_file else None
     # the same conversion again is done already: the intact copy is returned, nothing rewritten
     again = subprocess.run([sys.executable, "-m", "ckptd", "convert", "--run", "run1", "--step", "100", "--to-strategy",

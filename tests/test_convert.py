@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import xxhash
 from test_convert_helpers import (
     SHAPES,
     Spec,
@@ -31,6 +32,7 @@ from test_convert_helpers import (
 
 from ckptd.cli.convert_cmd import main as cli_main
 from ckptd.convert import ConvertError, convert, plan_from_dir
+from ckptd.convert.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
 
@@ -213,6 +215,52 @@ def test_safetensors_in_and_out(ms, tmp_path):
         assert cf.crc is not None and cf.crc.stored == cf.compute_crc()
 
 
+def _manifest_true(out: Path, ranks) -> Manifest:
+    """The set's manifest names exactly ``ranks`` (and its strategy file), each file's size and
+    xxh3-128 true of the bytes on disk."""
+    manifest = parse_manifest((out / MANIFEST_NAME).read_bytes(), str(out))
+    assert sorted(manifest.rank_files()) == list(ranks)
+    for f in manifest.files:
+        data = (out / f.path).read_bytes()
+        assert (len(data), xxhash.xxh3_128_hexdigest(data)) == (f.size, f.xxh3_128), f
+    return manifest
+
+
+def test_a_written_set_is_committed_by_its_manifest(ms, tmp_path):
+    """The digests taken while writing are the files' (ciphertext for encrypted output; safetensors,
+    patched in place, read back once), a later conversion of other ranks into the same OUT keeps
+    the earlier entries, and a manifest or strategy file that is not this set's is refused before
+    anything is written."""
+    spec, dst = Spec(2), Spec(4)
+    full = full_tensors(3)
+    write_sources(ms, tmp_path / "src", spec, full)
+    sa, sb = write_strategy(spec, tmp_path / "a.ckpt"), write_strategy(dst, tmp_path / "b.ckpt")
+    target = ("strategy.ckpt", Path(sb).read_bytes())
+    key = bytes(range(16))
+    first = convert(tmp_path / "src", sa, sb, tmp_path / "enc", out_key=key, ranks=[0, 1], strategy_file=target)
+    manifest = _manifest_true(tmp_path / "enc", [0, 1])
+    assert manifest.encrypted and [f.path for f in manifest.files if f.rank is None] == ["strategy.ckpt"]
+    assert sorted(first.created) == ["rank_0", "rank_1", "strategy.ckpt"]
+    assert {r.rank: r.digest for r in first.ranks} == {r: f.xxh3_128 for r, f in manifest.rank_files().items()}
+    later = convert(tmp_path / "src", sa, sb, tmp_path / "enc", out_key=key, ranks=[2, 3], strategy_file=target)
+    assert sorted(later.created) == ["rank_2", "rank_3"]  # the strategy file was there, the same bytes
+    _manifest_true(tmp_path / "enc", [0, 1, 2, 3])
+    _check_against_truth(tmp_path / "enc", dst, full, key=key)
+    names = [n for n in SHAPES if n != "w2"]  # no BFloat16 in safetensors (see test_safetensors_in_and_out)
+    write_sources(ms, tmp_path / "src_st", spec, full, names=names)
+    sa_st, sb_st = write_strategy(spec, tmp_path / "a2.ckpt", names), write_strategy(dst, tmp_path / "b2.ckpt", names)
+    convert(tmp_path / "src_st", sa_st, sb_st, tmp_path / "st", out_format="safetensors")
+    _manifest_true(tmp_path / "st", [0, 1, 2, 3])
+    for planted, content, match in ((MANIFEST_NAME, b"{}", "not a ckptd manifest"),
+                                    ("strategy.ckpt", b"another", "holds another strategy")):
+        out = tmp_path / f"planted-{planted}"
+        out.mkdir()
+        (out / planted).write_bytes(content)
+        with pytest.raises(CkptdError, match=match):
+            convert(tmp_path / "src", sa, sb, out, strategy_file=target)
+        assert sorted(os.listdir(out)) == [planted]
+
+
 def test_step_selection_never_guesses(ms, tmp_path):
     spec = Spec(2)
     full, later = full_tensors(1), full_tensors(2)
@@ -393,10 +441,16 @@ def test_sigkill_midway_leaves_nothing_that_looks_complete(tmp_path):
             proc.kill()
     assert seen, proc.stderr.read() if proc.stderr else ""
     assert proc.returncode == -signal.SIGKILL
-    assert not list(out.glob("rank_*"))
+    assert not list(out.glob("rank_*")) and not (out / MANIFEST_NAME).exists()
     # the next conversion into OUT succeeds and removes the dead run's temp tree
     assert cli_main(cmd[3:]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["rank_0", "rank_1", "rank_2", "rank_3"]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "rank_0", "rank_1", "rank_2", "rank_3"]
+    # the commit record: every file's size and the digest taken while writing it, true of the bytes
+    manifest = parse_manifest((out / MANIFEST_NAME).read_bytes(), "m")
+    assert sorted(manifest.rank_files()) == [0, 1, 2, 3]
+    for f in manifest.files:
+        data = (out / f.path).read_bytes()
+        assert (len(data), xxhash.xxh3_128_hexdigest(data)) == (f.size, f.xxh3_128), f
     with open_checkpoint(out / "rank_3" / "checkpoint_3.ckpt") as cf:
         assert float(cf.array("w2")[0, 0]) == 1.0 and cf.array("w2").shape == (2048, 2048)
 

@@ -141,7 +141,7 @@ def _print_plan(plan: Any, workers: int) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     from ckptd.convert.execute import convert, plan_from_dir
     from ckptd.format.crypto_blocks import load_key_file
-    from ckptd.format.strategy import save_strategy
+    from ckptd.format.strategy import encode_strategy
 
     if args.run:
         return _run_from_catalog(args)
@@ -165,13 +165,12 @@ def run_convert(args: argparse.Namespace) -> int:
         else:
             _print_plan(plan, workers)
         return EXIT_OK
+    # a derived target strategy is part of the written set (committed by its manifest with the ranks)
+    strategy_file = (derived_name, encode_strategy(dst, "proto")) if derived_name is not None and dst is not None \
+        else None
     report = convert(args.src, src, dst, args.out, workers=workers, key=key, out_key=out_key,
-                     out_format=args.format, prefix=args.prefix, plan=plan)
-    strategy_path = None
-    if derived_name is not None and dst is not None:
-        strategy_path = os.path.join(report.out_dir, derived_name)
-        if not os.path.exists(strategy_path):
-            save_strategy(dst, strategy_path)
+                     out_format=args.format, prefix=args.prefix, plan=plan, strategy_file=strategy_file)
+    strategy_path = os.path.join(report.out_dir, derived_name) if strategy_file is not None else None
     if args.json:
         print(json.dumps({**report.to_dict(), "derived_strategy": strategy_path}, indent=2))
     else:

@@ -17,9 +17,11 @@ so copying, writing and the disk overlap, even for a single destination rank
 CRCs and file I/O release the GIL). Memory: a few bands (``BAND_BYTES``) per worker, whatever the
 tensor or checkpoint sizes (:func:`~ckptd.convert.plan_types.estimate_peak`).
 
-Atomicity. Everything is written under ``OUT/.ckptd-convert-<host>-<pid>-<random>/rank_<r>/``;
-only after *every* planned rank is written, fsynced and verified are the rank directories renamed
-to ``OUT/rank_<r>`` (``renameat2(RENAME_NOREPLACE)``) and OUT fsynced. Every file and directory
+Atomicity. Everything is written under ``OUT/.ckptd-convert-<host>-<pid>-<random>/`` (its
+``rank_<r>/`` and the target strategy file, when the caller gives one); only after *every* planned
+rank is written, fsynced and verified are they renamed into ``OUT`` (``renameat2(RENAME_NOREPLACE)``)
+and OUT fsynced; then the set's manifest is written, last (:mod:`ckptd.convert.manifest`: each
+file's size and the digest taken while writing it; its rename is the commit). Every file and directory
 is created, checked and renamed relative to a descriptor of OUT (the caller's, opened beneath the
 checkpoint root by :func:`ckptd.confine.open_dir_beneath`; or OUT as given), never by a path
 name: a directory swapped for a symlink mid-conversion cannot send a byte elsewhere. A failure removes the temp tree; a SIGKILL leaves only the
@@ -30,6 +32,7 @@ hidden temp tree (removed by the next conversion into OUT on the same host) -- n
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import re
@@ -43,8 +46,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import xxhash
+
 from ckptd import confine, procs
 from ckptd.convert.assemble import ArrayEnd, ArrayStart, BufferSet, Pipeline, Stopped, ValueItem
+from ckptd.convert.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestFile, parse_manifest
 from ckptd.convert.plan import ConversionPlan, ConvertError, RankPlan
 from ckptd.convert.sources import (  # re-exported: callers import them from here
     OpenSources,
@@ -58,12 +64,14 @@ from ckptd.convert.verify import PieceCheck, check_index
 from ckptd.convert.writers import Band, CkptWriter, OutFile, SafetensorsWriter, Segments, safetensors_order
 from ckptd.errors import CkptdError
 from ckptd.format.crypto import EncMode, EncryptingWriter
+from ckptd.format.digest import StreamDigest
 from ckptd.format.dtypes import STR_TYPE
 from ckptd.format.strategy import Strategy
 
 __all__ = [
     "TMP_PREFIX", "ConvertReport", "OutFormat", "RankReport", "convert", "find_source_files", "plan_from_dir",
-    "read_inventory", "region_chunks", "region_digest",
+    "check_strategy_slot", "read_inventory", "region_chunks", "region_digest", "sweep_temp_trees",
+    "temp_tree_owner",
 ]
 
 OutFormat = Literal["ckpt", "safetensors"]
@@ -80,6 +88,10 @@ class RankReport:
     tensors: int
     pieces_verified: int
     seconds: float
+    #: xxh3-128 of the file, taken as it was written; its inode and mtime (a rename keeps both)
+    digest: str = ""
+    mtime_ns: int = 0
+    inode: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,11 @@ class ConvertReport:
     seconds: float
     out_format: OutFormat
     encrypted: bool
+    #: the committed set's record (every file of OUT it commits, earlier ranks' included)
+    manifest: Manifest | None = None
+    #: the names this conversion created in OUT (rank directories, the strategy file unless the
+    #: same bytes were there already): what a caller that cannot catalogue the set removes
+    created: tuple[str, ...] = ()
 
     @property
     def bytes_written(self) -> int:
@@ -184,7 +201,10 @@ def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str
             written, values, checked = _write_rank(rp, pipeline, out, out_format, out_key, tick)
             out.finish()
             checked += _check_written(out, path, out_key, rp, written, values)
-            size = os.fstat(out.fd).st_size
+            st = os.fstat(out.fd)
+            # safetensors' header is rewritten in place once its CRC is known: only then is the
+            # file read back for its digest (from the page cache, moments after it was written)
+            digest = out.digest() or StreamDigest().finish(confine.proc_path(out.fd))
         finally:
             # threads first: nothing may touch the buffers once they are back in the set
             if pipeline is not None:
@@ -195,7 +215,8 @@ def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str
         os.fsync(rank_fd)
     finally:
         os.close(rank_fd)
-    return RankReport(rp.rank, path, size, len(rp.tasks), checked, time.monotonic() - t0)
+    return RankReport(rp.rank, path, st.st_size, len(rp.tasks), checked, time.monotonic() - t0, digest,
+                      st.st_mtime_ns, st.st_ino)
 
 
 def _check_written(out: OutFile, path: str, out_key: bytes | None, rp: RankPlan, written: dict[str, Segments],
@@ -213,15 +234,43 @@ def _check_written(out: OutFile, path: str, out_key: bytes | None, rp: RankPlan,
 # --- the whole conversion ------------------------------------------------------------------------
 
 
-def _clean_stale(out_fd: int) -> None:
-    """Remove temp trees of dead converters of this host (a SIGKILLed run leaves its tree)."""
-    host = socket.gethostname()
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
+
+
+def temp_tree_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the converter whose temp tree ``name`` is (None: not a temp tree's name)."""
+    m = _TMP_NAME.fullmatch(name)
+    return (m["host"], int(m["pid"])) if m else None
+
+
+def dead_here(host: str, pid: int) -> bool:
+    """A temp tree's owner is a process of this host that no longer runs (a SIGKILLed converter)."""
+    return host == socket.gethostname() and not procs.alive(pid)
+
+
+def sweep_temp_trees(out_fd: int, wanted: Callable[[str, int], bool] = dead_here) -> tuple[list[str], list[str]]:
+    """Remove the temp trees in the directory ``out_fd`` whose owner ``wanted(host, pid)`` picks:
+    (names removed, refusals with their reasons). The one cleaner of abandoned conversions: each
+    conversion runs it on its output directory before writing, and the daemon on the output
+    directories of conversions it failed as abandoned. Descriptor-based throughout (``rmtree``
+    with ``dir_fd`` never follows a link inside the tree; a symlink named like a tree is refused)."""
+    removed: list[str] = []
+    refused: list[str] = []
     for name in os.listdir(out_fd):
-        m = re.fullmatch(re.escape(TMP_PREFIX) + r"(.+)-(\d+)-[0-9a-f]+", name)
-        if m is None or m.group(1) != host:
+        owner = temp_tree_owner(name)
+        if owner is None or not wanted(*owner):
             continue
-        if not procs.alive(int(m.group(2))):
-            shutil.rmtree(name, dir_fd=out_fd, ignore_errors=True)  # descriptor-based: never follows a link inside
+        try:
+            os.close(os.open(name, _DIR_FLAGS, dir_fd=out_fd))  # a real directory, not a link to one
+            shutil.rmtree(name, dir_fd=out_fd)
+            removed.append(name)
+        except FileNotFoundError:
+            pass  # removed meanwhile (another daemon on a shared root)
+        except OSError as err:
+            why = "not a directory (a symlink?)" if err.errno in (errno.ELOOP, errno.ENOTDIR) \
+                else f"cannot remove it ({err.strerror or err})"
+            refused.append(f"{name}: {why}; left alone")
+    return removed, refused
 
 
 def open_out_dir(out: str) -> int:
@@ -246,6 +295,7 @@ def convert(
     progress: Progress | None = None,
     plan: ConversionPlan | None = None,
     out_fd: int | None = None,
+    strategy_file: tuple[str, bytes] | None = None,
 ) -> ConvertReport:
     """Re-shard the checkpoints of ``src_dir`` (``rank_<r>/`` directories, or a MindFormers output
     directory: :func:`find_source_files`) into ``out_dir/rank_<r>/<prefix><r>.<ext>``.
@@ -257,6 +307,9 @@ def convert(
     :class:`ConvertError` (or another :class:`CkptdError`) with nothing renamed into ``out_dir``.
     ``out_fd``: a descriptor of ``out_dir`` the caller opened (and closes): everything is written
     relative to it (:func:`ckptd.confine.open_dir_beneath` below a checkpoint root).
+    ``strategy_file``: ``(name, bytes)`` of the target strategy file, written into ``out_dir`` as
+    part of the set (one already there with other bytes is refused before anything is written).
+    The set is committed by its manifest, written last (:mod:`ckptd.convert.manifest`).
     """
     t0 = time.monotonic()
     if out_format not in ("ckpt", "safetensors"):
@@ -265,6 +318,9 @@ def convert(
         raise ConvertError("safetensors output cannot be encrypted", hint="drop --out-key-file or use --format ckpt")
     if not prefix or os.sep in prefix or prefix.startswith("."):
         raise ConvertError(f"invalid file prefix {prefix!r}", hint="a plain file-name prefix such as checkpoint_")
+    if strategy_file is not None and (os.sep in strategy_file[0] or strategy_file[0].startswith(".")
+                                      or strategy_file[0] == MANIFEST_NAME):
+        raise ConvertError(f"invalid strategy file name {strategy_file[0]!r}", hint="a plain file name")
     if plan is None:
         plan = plan_from_dir(src_dir, src_strategy, dst_strategy, step=step, ranks=ranks, key=key)
     if out_format == "safetensors":
@@ -275,20 +331,61 @@ def convert(
     own_fd = out_fd is None
     fd = open_out_dir(out) if out_fd is None else out_fd
     try:
-        return _convert_into(plan, out, fd, key, out_key, out_format, prefix, workers, progress, t0)
+        return _convert_into(plan, out, fd, key, out_key, out_format, prefix, workers, progress, t0, strategy_file)
     finally:
         if own_fd:
             os.close(fd)
 
 
+def check_strategy_slot(out_fd: int, out: str, name: str, content: bytes) -> bool:
+    """Whether ``OUT/name`` already holds exactly ``content`` (a copy converted before); False when
+    absent. Anything else there -- other bytes, a planted symlink, FIFO or hard link -- is refused:
+    never read into a catalog, followed, or replaced."""
+    if not confine.exists_at(out_fd, name):
+        return False
+    path = os.path.join(out, name)
+    data, _ = confine.read_fd(confine.open_at(out_fd, name, path), path, len(content))
+    if data != content:
+        raise CkptdError("holds another strategy than this conversion's target; not replaced", path=path,
+                         hint="remove it (after checking where it came from) and convert again")
+    return True
+
+
+def _earlier_manifest(out_fd: int, out: str) -> Manifest | None:
+    """The manifest of a set committed in OUT before (ranks this conversion does not write keep
+    their entries); a manifest that is not ckptd's is refused before anything is written."""
+    if not confine.exists_at(out_fd, MANIFEST_NAME):
+        return None
+    path = os.path.join(out, MANIFEST_NAME)
+    data, _ = confine.read_fd(confine.open_at(out_fd, MANIFEST_NAME, path), path, MAX_MANIFEST_BYTES)
+    return parse_manifest(data, path)
+
+
+def _write_file(dir_fd: int, name: str, content: bytes) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
+                 dir_fd=dir_fd)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None, out_key: bytes | None,
                   out_format: OutFormat, prefix: str, workers: int | None, progress: Progress | None,
-                  t0: float) -> ConvertReport:
+                  t0: float, strategy_file: tuple[str, bytes] | None) -> ConvertReport:
+    from ckptd.format.atomic import atomic_write
+
     taken = [f"rank_{r.rank}" for r in plan.ranks if confine.exists_at(out_fd, f"rank_{r.rank}")]
     if taken:
         raise ConvertError(f"refusing to overwrite existing {taken}", path=out,
                            hint="choose an empty output directory or remove those rank directories")
-    _clean_stale(out_fd)
+    if strategy_file is not None:
+        check_strategy_slot(out_fd, out, *strategy_file)
+    earlier = _earlier_manifest(out_fd, out)
+    sweep_temp_trees(out_fd)
     tmp_name = f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp_root = os.path.join(out, tmp_name)
     os.mkdir(tmp_name, 0o700, dir_fd=out_fd)
@@ -311,6 +408,8 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
     for _ in range(nworkers):
         buffer_sets.put(BufferSet())
     reports: list[RankReport] = []
+    final: list[RankReport] = []
+    created: list[str] = []  # names renamed into OUT by this conversion
     try:
         with ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="ckptd-convert") as pool:
             futs = [pool.submit(_convert_rank, rp, sources, tmp_fd, tmp_root, prefix, out_format, out_key, stop, tick,
@@ -326,8 +425,9 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
             if errors:  # the cause, not the ranks it stopped
                 raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
             reports = [f.result() for f in futs]
+        if strategy_file is not None:
+            _write_file(tmp_fd, *strategy_file)
         os.fsync(tmp_fd)
-        final = []
         for rep in reports:
             name = f"rank_{rep.rank}"
             dest = os.path.join(out, name)
@@ -335,11 +435,32 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
                 confine.rename_noreplace(tmp_fd, name, out_fd, name)
             except FileExistsError:
                 raise ConvertError(f"{dest} appeared during the conversion; refusing to replace it", path=dest) from None
+            created.append(name)
             final.append(RankReport(rep.rank, os.path.join(dest, os.path.basename(rep.path)), rep.bytes,
-                                    rep.tensors, rep.pieces_verified, rep.seconds))
+                                    rep.tensors, rep.pieces_verified, rep.seconds, rep.digest, rep.mtime_ns,
+                                    rep.inode))
+        files = [ManifestFile(os.path.relpath(r.path, out), r.rank, r.bytes, r.digest) for r in final]
+        if strategy_file is not None:
+            name, content = strategy_file
+            try:
+                confine.rename_noreplace(tmp_fd, name, out_fd, name)
+                created.append(name)
+            except FileExistsError:  # there already: the same bytes (a copy converted before), or refused
+                check_strategy_slot(out_fd, out, name, content)
+            files.append(ManifestFile(name, None, len(content), xxhash.xxh3_128_hexdigest(content)))
         os.fsync(out_fd)
+        manifest = Manifest(tuple(files), out_format, out_key is not None, plan.src_strategy_hash,
+                            plan.dst_strategy_hash).merged(earlier)
+        with atomic_write(MANIFEST_NAME, overwrite=True, dir_fd=out_fd) as fh:  # the commit
+            fh.write(manifest.to_json())
     except BaseException:
         stop.set()
+        for name in created:  # renamed in, never committed: nothing that looks like a finished set stays
+            with contextlib.suppress(OSError):
+                if name.startswith("rank_"):
+                    shutil.rmtree(name, dir_fd=out_fd)
+                else:
+                    os.unlink(name, dir_fd=out_fd)
         raise
     finally:
         sources.close()
@@ -349,4 +470,5 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
             os.fsync(out_fd)
     if progress is not None:
         progress(total, total)
-    return ConvertReport(out, plan, tuple(final), time.monotonic() - t0, out_format, out_key is not None)
+    return ConvertReport(out, plan, tuple(final), time.monotonic() - t0, out_format, out_key is not None, manifest,
+                         tuple(created))

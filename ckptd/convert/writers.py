@@ -11,6 +11,10 @@ offsets) so the file's index can be checked against exactly those bytes.
 (``sync_file_range`` every ``KICK_BYTES``, on a helper thread: the call can block while the disk
 queue is full, and the writer must not) so the disk works while we produce the rest and the final
 ``fsync`` only waits for the tail; otherwise the kernel would hold every page dirty until that fsync.
+It also hashes every byte as it is handed to the kernel (xxh3-128, the digest the catalog keeps of
+every file): a written set records its digests without reading its output back
+(:mod:`ckptd.convert.manifest`). A file patched in place (safetensors' header, rewritten once its
+CRC is known) has no streamed digest: xxh3 must see the bytes in file order.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ckptd.convert.plan import ConvertError, TensorTask
 from ckptd.format import ckpt as ckpt_fmt
@@ -83,6 +88,8 @@ class OutFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         self.fd = os.open(path if dir_fd is None else os.path.basename(path), flags, 0o644, dir_fd=dir_fd)
         self._small = bytearray()
+        self._hash = xxhash.xxh3_128()  # of bytes [0, _in_kernel), in file order
+        self._patched = False  # a pwrite changed hashed bytes: no streamed digest
         self._in_kernel = 0  # bytes handed to write(2)
         self._kicked = 0  # bytes whose write-back was started
         self._cond = threading.Condition()
@@ -115,6 +122,7 @@ class OutFile:
         return len(mv)
 
     def _write_all(self, mv: memoryview) -> None:
+        self._hash.update(mv)
         while len(mv):
             n = os.write(self.fd, mv)
             mv = mv[n:]
@@ -131,6 +139,7 @@ class OutFile:
 
     def pwrite(self, data: bytes, offset: int) -> None:
         self.flush()
+        self._patched = True
         mv = memoryview(data)
         while len(mv):
             n = os.pwrite(self.fd, mv, offset)
@@ -143,6 +152,10 @@ class OutFile:
                 self._cond.notify()
             self._kicker.join()
             self._kicker = None
+
+    def digest(self) -> str | None:
+        """xxh3-128 of the whole file as written (after :meth:`finish`); None once patched in place."""
+        return None if self._patched else self._hash.hexdigest()
 
     def finish(self) -> None:
         """Everything written and durable (fsync)."""

@@ -24,13 +24,12 @@ import contextlib
 import json
 import logging
 import os
-import re
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, procs, runlayout
+from ckptd import confine, runlayout
 from ckptd.catalog import jobrows, repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, StrategyFile, as_utc
 from ckptd.convert.iteration_source import iteration_source
@@ -191,7 +190,7 @@ def convert_step(
     :class:`ckptd.service.jobs.JobRunner` job, the conversion is tied to that job; otherwise
     (``ckptd convert --run``) it records a job of its own, owned by this process on ``node``."""
     from ckptd.convert import convert, plan_conversion
-    from ckptd.convert.execute import read_inventory
+    from ckptd.convert.execute import check_strategy_slot, read_inventory
 
     with sessions.begin() as s:
         ckpt, files, strat_row = check_source(s, run_name, step)
@@ -234,8 +233,9 @@ def convert_step(
         stack.callback(os.close, out_fd)
         strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
         strategy_bytes = encode_strategy(target, "proto") if target is not None else None  # strategy.ckpt: protobuf
-        if target is not None:
-            copies.check_strategy_slot(out_fd, strategy_path, strategy_bytes)
+        strategy_file = (os.path.basename(strategy_path), strategy_bytes) if target is not None else None
+        if strategy_file is not None:  # refused before a job row exists (convert checks again before writing)
+            check_strategy_slot(out_fd, out, *strategy_file)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
                                 target_strategy_hash=target_hash, out_dir=out, state="running")
@@ -250,22 +250,20 @@ def convert_step(
             jobs.link_conversion(s, job_id, conv_id)  # with the row: never a conversion without its owner
         if own_job is not None:
             heartbeat.add(own_job)
-        report = wrote_strategy = None
+        report = None
         try:
             report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
-                             workers=workers, progress=progress, out_fd=out_fd)
-            if target is not None:
-                wrote_strategy = copies.write_strategy(out_fd, strategy_path, strategy_bytes)
+                             workers=workers, progress=progress, out_fd=out_fd, strategy_file=strategy_file)
             if below_root and not confine.same_dir(root, out, out_fd):
                 raise confine.ConfinementError("the output directory was moved or replaced during the conversion; "
                                                "the copy is not catalogued", path=out,
                                                hint="something else writes there: find out what before converting again")
             derived = copies.register(sessions, meta, src_id, target, target_hash,
                                       (strategy_path, strategy_bytes) if target is not None else None,
-                                      copies.written_files(root, out, report), report.out_format, report.encrypted, node)
+                                      copies.written_files(report), report.out_format, report.encrypted, node)
         except BaseException as exc:
             if report is not None:  # written but not catalogued: nothing that looks like a finished copy stays
-                copies.discard(out_fd, report, os.path.basename(strategy_path) if wrote_strategy else None)
+                copies.discard(out_fd, report)
             error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
             with sessions.begin() as s:
                 row = s.get(ConversionJob, conv_id)
@@ -344,7 +342,6 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
     removed once their process is certainly gone on this machine. Partial output (rank
     directories renamed in just before the kill) is never deleted: it is named on the row and in
     ``report["left"]``."""
-    from ckptd.convert.execute import TMP_PREFIX
     from ckptd.service.resume import RESUME_LEASE
 
     now = now or datetime.now(timezone.utc)
@@ -392,7 +389,7 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
     for conv_id, out, wanted in cleanups:
         if os.path.abspath(out) in busy_dirs:
             continue  # a live conversion writes there: its trees are not ours to judge by name
-        removed, refused, partial = _remove_temp_trees(root, out, wanted, TMP_PREFIX)
+        removed, refused, partial = _remove_temp_trees(root, out, wanted)
         report["removed"] += removed
         if conv_id is not None:  # said once, when the conversion is failed; not at every start after
             report["refused"] += refused
@@ -418,48 +415,36 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
 
 def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
     """Which temp trees (by the host and pid in their names) belong to a conversion's dead process."""
+    from ckptd.convert.execute import dead_here
+
     if owner:
         host, pid = owner.get("host"), owner.get("pid")
         return lambda h, p: h == host and p == pid
-    # no owner recorded: the trees of this host whose process is not running (as convert itself does)
-    me = jobs.this_machine()["host"]
-
-    def dead_here(h: str, p: int) -> bool:
-        return h == me and not procs.alive(p)
-
-    return dead_here
+    return dead_here  # no owner recorded: this host's trees whose process is gone (as convert itself does)
 
 
-def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool],
-                       tmp_prefix: str) -> tuple[list[str], list[str], list[str]]:
-    """Remove the temp trees ``wanted`` picks in ``out``: (removed paths, refusals, rank directories
-    present in ``out``). Only a real directory named like ckptd's temp tree, in a directory reached
-    beneath ``root`` without a symlink, removed through descriptors (:func:`confine.rmtree_beneath`:
-    a symlink inside it is unlinked, never followed)."""
+def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool]) -> tuple[list[str], list[str], list[str]]:
+    """Remove the temp trees ``wanted`` picks in ``out`` (the one cleaner,
+    :func:`ckptd.convert.execute.sweep_temp_trees`, on a descriptor of ``out`` reached beneath
+    ``root`` without a symlink): (removed paths, refusals, rank directories present in ``out``)."""
+    from ckptd.convert.execute import sweep_temp_trees
+
     # An OSError is a refusal with its reason, never a reason for the daemon not to start.
     try:
-        names = confine.listdir_beneath(root, out)
+        fd = confine.open_dir_beneath(root, out)
     except FileNotFoundError:
         return [], [], []
     except (confine.ConfinementError, OSError) as err:
         why = ("outside the checkpoint root or reached through a symlink" if isinstance(err, confine.ConfinementError)
-               else f"cannot list it ({err.strerror or err})")
+               else f"cannot open it ({err.strerror or err})")
         return [], [f"{out}: {why}; temp data of the abandoned conversion there was not removed"], []
-    removed: list[str] = []
-    refused: list[str] = []
-    name_re = re.compile(re.escape(tmp_prefix) + r"(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+")
-    for name in names:
-        m = name_re.fullmatch(name)
-        if m is None or not wanted(m["host"], int(m["pid"])):
-            continue
-        path = os.path.join(out, name)
-        try:
-            confine.rmtree_beneath(root, path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass  # removed meanwhile (another daemon on a shared root)
-        except confine.ConfinementError:
-            refused.append(f"{path}: not a directory (a symlink?); left alone")
-        except OSError as err:
-            refused.append(f"{path}: cannot remove it ({err.strerror or err}); left alone")
-    return removed, refused, sorted(n for n in names if runlayout.parse_rank_dir(n) is not None)
+    try:
+        removed, refused = sweep_temp_trees(fd, wanted)
+        names = os.listdir(fd)
+    except OSError as err:
+        return [], [f"{out}: cannot list it ({err.strerror or err}); temp data of the abandoned conversion there "
+                    "was not removed"], []
+    finally:
+        os.close(fd)
+    return ([os.path.join(out, n) for n in removed], [os.path.join(out, r) for r in refused],
+            sorted(n for n in names if runlayout.parse_rank_dir(n) is not None))

@@ -2,12 +2,13 @@
 
 A conversion below the checkpoint root writes through one descriptor of its output directory,
 opened from the root without following a symlink (:func:`open_output`, ``ckptd.confine``): the
-executor creates, fsyncs and renames everything relative to it, the strategy file is written the
-same way, and before the copy is catalogued :func:`ckptd.confine.same_dir` checks that the output
-path still names that directory (one moved away mid-conversion is not catalogued: its rank
-directories are removed again, through the descriptor). What the catalog stores is what ckptd
-wrote — the strategy bytes it encoded, each file's digest and stat read through a confined
-descriptor — never what a name resolves to later.
+executor creates, fsyncs and renames everything relative to it -- rank directories, the strategy
+file, and last the set's manifest, its commit (:mod:`ckptd.convert.manifest`) -- and before the
+copy is catalogued :func:`ckptd.confine.same_dir` checks that the output path still names that
+directory (one moved away mid-conversion is not catalogued: what it created is removed again,
+manifest first, through the descriptor). What the catalog stores is what ckptd wrote -- the
+strategy bytes it encoded, each file's digest taken while writing it and its stat -- never what a
+name resolves to later, and nothing is read back to learn it.
 
 One copy row exists per (step, target layout) (the unique key of ``checkpoints``). A copy whose
 files are lost (the daemon's rescan marked it ``deleted``/``incomplete``/``corrupt``, or this
@@ -30,10 +31,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd import confine, runlayout
 from ckptd.catalog import jobrows, reads, repo
 from ckptd.catalog.models import Checkpoint, Shard
-from ckptd.errors import CkptdError
-from ckptd.format.strategy import MAX_STRATEGY_BYTES
 from ckptd.service.catalog import InvalidRequestError
-from ckptd.service.verifier import file_digest, stat_of
+from ckptd.service.verifier import stat_of
 from ckptd.states import ShardState, StepState
 
 LOST_STATES = (StepState.DELETED.value, StepState.INCOMPLETE.value, StepState.CORRUPT.value)
@@ -57,54 +56,27 @@ def open_output(root: str, out: str) -> int:
     return open_out_dir(out)
 
 
-def check_strategy_slot(out_fd: int, path: str, content: bytes) -> None:
-    """Refuse a ``strategy.ckpt`` already in the output directory unless it is a regular file
-    with exactly ``content`` (a copy converted before): a planted symlink, FIFO, hard link or
-    another layout's file is never read into the catalog, followed, or replaced."""
-    name = os.path.basename(path)
-    if not confine.exists_at(out_fd, name):
-        return
-    data, _ = confine.read_fd(confine.open_at(out_fd, name, path), path, MAX_STRATEGY_BYTES)
-    if data != content:
-        raise CkptdError("holds another strategy than this conversion's target; not replaced", path=path,
-                         hint="remove it (after checking where it came from) and convert again")
+def written_files(report: Any) -> list[WrittenFile]:
+    """Each rank's file as the conversion wrote it: its stat and the digest taken while writing
+    (:class:`ckptd.convert.execute.RankReport`; the set's manifest holds the same). Nothing is
+    read again."""
+    return [WrittenFile(r.rank, r.path, repo.FileStat(r.bytes, r.mtime_ns, r.inode), r.digest) for r in report.ranks]
 
 
-def write_strategy(out_fd: int, path: str, content: bytes) -> bool:
-    """Write the copy's strategy file by descriptor (atomically) unless it is already there with
-    ``content``; True if written."""
-    from ckptd.format.atomic import atomic_write
+def discard(out_fd: int, report: Any) -> None:
+    """Remove a written set that failed to be catalogued, commit record first (then nothing there
+    claims to be whole), then what this conversion created in its output directory; through the
+    descriptor, so a symlink planted in its place is never followed."""
+    from ckptd.convert.manifest import MANIFEST_NAME
 
-    check_strategy_slot(out_fd, path, content)  # again: the name may have been swapped since
-    if confine.exists_at(out_fd, os.path.basename(path)):
-        return False
-    with atomic_write(os.path.basename(path), dir_fd=out_fd) as fh:
-        fh.write(content)
-    return True
-
-
-def written_files(root: str, out: str, report: Any) -> list[WrittenFile]:
-    """Stat and digest of each rank's file as written, read through a confined descriptor below
-    the root (by name only for an output outside it: the operator's)."""
-    below = runlayout.relative_parts(root, out) is not None
-    files = []
-    for rank in report.ranks:
-        with confine.opened(root, rank.path) if below else contextlib.nullcontext(rank.path) as name:
-            st = os.stat(name)
-            digest = file_digest(name)
-        files.append(WrittenFile(rank.rank, rank.path, repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino), digest))
-    return files
-
-
-def discard(out_fd: int, report: Any, strategy_name: str | None) -> None:
-    """Remove what this conversion renamed into its output directory (through the descriptor:
-    a symlink planted in its place is never followed), after it failed to be catalogued."""
-    for rank in report.ranks:
+    with contextlib.suppress(OSError):
+        os.unlink(MANIFEST_NAME, dir_fd=out_fd)
+    for name in report.created:
         with contextlib.suppress(OSError):
-            shutil.rmtree(f"rank_{rank.rank}", dir_fd=out_fd)
-    if strategy_name is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(strategy_name, dir_fd=out_fd)
+            if name.startswith("rank_"):
+                shutil.rmtree(name, dir_fd=out_fd)
+            else:
+                os.unlink(name, dir_fd=out_fd)
 
 
 def _copy_of(s: Session, meta: tuple, target_hash: str, lock: bool = False) -> Checkpoint | None:
