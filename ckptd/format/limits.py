@@ -81,11 +81,14 @@ MAX_STRATEGY_UNKNOWN_BYTES = 1 << 20  # 1 MiB
 MAX_JSON_DEPTH = 64
 
 #: MindFormers Checkpoint 2.0 ``metadata.json``. Measured with MindFormers 2.1.0's own writer
-#: (``save_metadata_json`` over real ``mindspore.parallel.Layout`` objects, docs/FORMATS.md section 6):
+#: (``save_metadata_json`` over real ``mindspore.parallel.Layout`` objects, docs/FORMATS.md section 6;
+#: reproduce with bench/mf2_metadata_size.py, bench/RESULTS.md 2026-12-04):
 #: Llama-2-70B (80 layers, hidden 8192, ffn 28672, vocab 32000, GQA 8 kv heads) with Adam state on
-#: 256 ranks (tp 8, pp 4, dp 8): 19.0 MiB, 1,451 tensors, 8,213 slices, 93,248 storage records; the
-#: same model on 512 ranks (dp 16): 56.7 MiB (the records repeat every replica's rank group, so the file
-#: grows with dp squared). 64 MiB = 3.4x the 256-rank file and still holds the 512-rank one.
+#: 256 ranks (tp 8, pp 4, dp 8): 19,941,034 B = 19.0 MiB, 1,451 tensors, 8,213 slices, 93,248 storage
+#: records; the same model on 512 ranks (dp 16): 56.7 MiB (the records repeat every replica's rank
+#: group, so the file grows with dp squared). 64 MiB = 3.4x that 256-rank file and holds the 512-rank
+#: one -- but not every 256-rank layout: tp 8, pp 2, dp 16 is 53.1 MiB (1.2x margin) and tp 8, pp 1,
+#: dp 32 with optimizer parallelism 103.4 MiB (and 549,363 items), which this bound refuses.
 MAX_METADATA_BYTES = 64 << 20
 #: Tensors ``metadata.json`` describes (the 70B save above: 1,451): as many as one checkpoint file may hold.
 MAX_METADATA_TENSORS = MAX_ENTRIES
