@@ -54,6 +54,8 @@ import enum
 from dataclasses import dataclass
 from typing import Hashable, Mapping
 
+from ckptd import runlayout
+
 
 class ShardState(str, enum.Enum):
     COMPLETE = "complete"
@@ -97,10 +99,9 @@ RESAVABLE_KINDS = ("trained", "breakpoint")
 
 
 def allows_subset(run_layout: str | None) -> bool:
-    """Runs whose steps may be whole without every rank's own file: MindFormers jobs save with
-    ``remove_redundancy`` and MindIO's dying-gasp saves write only some replicas. Our trainer
-    (native layout) restores each rank from its own file, so there every rank must be present."""
-    return run_layout == "mindformers"
+    """Runs whose steps may be whole without every rank's own file: their layout says so
+    (:attr:`ckptd.runlayout.RunLayout.allows_subset`, with the reason in its module)."""
+    return runlayout.by_name(run_layout).allows_subset
 
 
 def step_state(

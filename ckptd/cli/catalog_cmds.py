@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ckptd import confine
+from ckptd import confine, runlayout
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
 
@@ -246,7 +246,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _repair_tracker(args: argparse.Namespace, doc: dict) -> dict:
     from ckptd.service import tracker
 
-    if doc.get("layout") != "mindformers2":
+    layout = doc.get("layout")
+    if not (runlayout.known(layout) and runlayout.by_name(layout).has_tracker):
         raise CkptdError(f"run {doc['run']!r} is not a Checkpoint 2.0 run (layout {doc.get('layout')}): it has no tracker",
                          hint="--repair-tracker applies to MindFormers runs with iteration_<it>/ directories")
     run_path = os.path.dirname(doc["mindformers"]["checkpoint_dir"])

@@ -9,7 +9,7 @@ about one chunk to the process's resident memory whatever the file size.
 A source is a directory of ``rank_<r>/`` (what ``mindspore.transform_checkpoints`` reads, and what
 ckptd writes) or a MindFormers output directory (``<out>`` or ``<out>/checkpoint``, whose
 ``rank_<r>/`` hold ``{P}_rank_<r>[_k]-{E}_{S}.ckpt``, ``meta.json`` and breakpoint saves). Which
-directories and names are checkpoints is :mod:`ckptd.runlayout`'s knowledge (``detect_layout``,
+directories and names are checkpoints is :mod:`ckptd.runlayout`'s knowledge (``detect``, a layout's
 ``rank_dirs``, ``parse_shard_name``); this module only picks among them:
 
 * ``meta.json`` and other non-checkpoint files are never sources; breakpoint saves
@@ -142,12 +142,11 @@ def find_source_files(src_dir: str | os.PathLike[str], step: int | str | None = 
         raise ConvertError("source directory not found", path=root,
                            hint="--src DIR must hold rank_<N>/ directories (or be a MindFormers output directory)")
     want = parse_step(step)
-    layout = runlayout.detect_layout(root)
     chosen: dict[int, _File] = {}
     problems: list[str] = []
     seen: list[_File] = []
     only_breakpoints: list[int] = []
-    for rank, path in sorted(runlayout.rank_dirs(root, layout).items()):
+    for rank, path in sorted(runlayout.detect(root).rank_dirs(root).items()):
         files = _rank_files(rank, path)
         seen += files
         if not files:

@@ -217,9 +217,9 @@ def ask_command(cmd: str, world: int, timeout: float = 60.0) -> ResumeAnswer:
 def committed_save_files(run_dir: str, world: int) -> list[str]:
     """Every save committed on disk, newest first, as one path relative to the run dir each: rank
     0's file of a save in ``rank_<r>/`` directories (native or MindFormers, ``.ckpt`` or
-    ``.safetensors``) committed by all ``world`` ranks, or a Checkpoint 2.0 iteration directory
-    holding ``common.json`` and every model file its names promise. Paths are read through
-    :mod:`ckptd.runlayout`; ``_breakpoint`` saves are never trained ones.
+    ``.safetensors``) committed by all ``world`` ranks, or a step directory (a Checkpoint 2.0
+    iteration) whole by its files' names (its layout's rule, ``RunLayout.whole_step_dir``). Paths
+    are read through :mod:`ckptd.runlayout`; ``_breakpoint`` saves are never trained ones.
 
     Only for :mod:`ckptd.launcher.freshstart` ("never a silent fresh start"), which needs to see
     saves exactly when ckptd does not know the run: whether ckptd has judged them is asked of
@@ -228,15 +228,16 @@ def committed_save_files(run_dir: str, world: int) -> list[str]:
     root = os.path.dirname(os.path.abspath(run_dir))
     saves: dict[tuple[str, int, int, int], dict[int, str]] = {}  # (prefix, epoch, step, incarnation) -> rank -> path
     whole: list[tuple[tuple[int, int, int], str]] = []  # ((epoch, step, incarnation), path)
-    for directory, layout in runlayout.shard_dirs(run_dir).shard_dirs:
+    listed = runlayout.shard_dirs(run_dir)
+    for directory in listed.shard_dirs:
         try:
             names = set(os.listdir(directory))
         except OSError:
             continue
         shards = [(n, kind) for n in names if isinstance(kind := runlayout.classify(root, os.path.join(directory, n)),
                                                           runlayout.ShardName) and not kind.breakpoint]
-        if layout == runlayout.CKPT2:
-            if _whole_iteration([kind for _, kind in shards]):
+        if listed.layout.iterations:  # a directory is one save, whole by its files' names
+            if listed.layout.whole_step_dir([kind for _, kind in shards]):
                 whole.append(((0, shards[0][1].step, 0), directory))
             continue
         for name, kind in shards:
@@ -247,14 +248,6 @@ def committed_save_files(run_dir: str, world: int) -> list[str]:
               if all(r in got for r in range(world))]
     whole.sort(key=lambda e: e[0], reverse=True)  # of two restarts' saves of one (epoch, step), the later first
     return [os.path.relpath(path, run_dir) for _, path in whole]
-
-
-def _whole_iteration(files: list[runlayout.ShardName]) -> bool:
-    """A Checkpoint 2.0 iteration holding ``common.json`` and every model file its names promise."""
-    model = {f.rank for f in files if f.role == "model"}
-    totals = {f.total for f in files if f.role == "model"}
-    return (any(f.role == "common" for f in files) and len(totals) == 1
-            and all(runlayout.iteration_slot("model", i) in model for i in range(totals.pop() or 0)))
 
 
 def _read_only(path: str) -> bool:

@@ -16,7 +16,7 @@ from ckptd.catalog import reads
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, as_utc
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
-from ckptd import stepname
+from ckptd import runlayout, stepname
 from ckptd.states import ShardState, StepState
 
 
@@ -57,7 +57,7 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
     return {
         "name": run.name,
         "path": run.path,
-        "layout": run.layout or "native",
+        "layout": runlayout.by_name(run.layout).name,
         "nodes": {str(n): c for n, c in sorted(nodes.items(), key=lambda kv: str(kv[0]))},
         "world_size": run.world_size,
         "steps": counts,

@@ -194,7 +194,8 @@ def convert_step(
 
     with sessions.begin() as s:
         ckpt, files, strat_row = check_source(s, run_name, step)
-        iteration = repo.run_layout(s, ckpt) == runlayout.CKPT2  # the layout is metadata.json's, not a strategy file's
+        # an iteration's tp/dp/pp split is its metadata.json's, not a strategy file's
+        iteration = runlayout.by_name(repo.run_layout(s, ckpt)).iterations
         if strat_row is None and not iteration:
             raise InvalidRequestError(f"step {step} has no strategy file in the catalog", hint="convert with --src-strategy")
         src_id = ckpt.id

@@ -102,12 +102,12 @@ class Ingestor:
                 replaced.note_linked_rank_dir(self.sessions, run, rank, link)
             for path, why in listed.refused.items():
                 self.note_ignored(path, f"directory skipped: {why}")
-            for shard_dir, layout in listed.shard_dirs:
+            for shard_dir in listed.shard_dirs:
                 with os.scandir(shard_dir) as it:
                     for entry in it:
                         if should_stop():
                             return report  # the catalog is unchanged by what was not examined
-                        why = runlayout.unusable_name(entry.name, layout)
+                        why = listed.layout.unusable_name(entry.name)
                         if why is not None and not runlayout.is_in_flight(entry.name):
                             self.note_ignored(entry.path, why)
                             continue
@@ -273,20 +273,21 @@ class Ingestor:
     def _ingest_checkpoint(
         self, key: tuple, files: list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]
     ) -> dict[str, str]:
-        run_name, prefix, epoch, step, kind, layout, incarnation = key
+        run_name, prefix, epoch, step, kind, layout_name, incarnation = key
+        layout = runlayout.by_name(layout_name)
         with self.sessions.begin() as s:
             run = repo.get_or_create_run(s, run_name, os.path.join(self.root, run_name))
             if not run.path:  # created by an early health report, before any file was seen
                 run.path = os.path.join(self.root, run_name)
-            if run.layout != layout and run.layout in (None, runlayout.NATIVE):
-                run.layout = layout  # a run holds one layout; a MindFormers tree is never taken for native
+            if (recorded := runlayout.run_layout_after(run.layout, layout_name)) != run.layout:
+                run.layout = recorded  # a run holds one layout; a MindFormers tree is never taken for native
             strategy = rank_strategies.current(s, self.root, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)  # register_shards then locks its history before shards
             if ckpt.incarnation is None and incarnation is not None:
                 ckpt.incarnation = incarnation
-            if layout == runlayout.MINDFORMERS and ckpt.health_reason is None and ckpt.state == StepState.INCOMPLETE.value:
+            if layout.health_records and ckpt.health_reason is None and ckpt.state == StepState.INCOMPLETE.value:
                 runhints.apply_health(self.root, run, [ckpt])  # rank 0 writes the record before the save itself
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
@@ -295,7 +296,7 @@ class Ingestor:
                 ckpt.expected_ranks = expected
             layout_now = (strategy.world_size, layout_history.appeared_ns(strategy.mtime_ns, strategy.seen_at)) if strategy else None
             registered = repo.register_shards(s, ckpt, [f for _, f, _ in files], layout_now, self.nodes.owner())
-            if layout == runlayout.CKPT2:  # an iteration's file names say how many files it has
+            if layout.iterations:  # an iteration's file names say how many files it has
                 present = {os.path.basename(p) for p in repo.shard_paths(s, ckpt.id)}
                 need = iteration.required_by_names(present)
                 ckpt.expected_ranks = max(ckpt.expected_ranks or 0, len(need))
@@ -318,7 +319,7 @@ class Ingestor:
                     to_verify.append(reg.shard_id)  # also re-queues shards a crashed daemon left unverified
             if any(reg.changed for reg in registered):
                 ckpt.step_checks_ok, ckpt.reason = None, None
-                if layout == runlayout.CKPT2 and missing:  # what an operator asks first about a partial save
+                if layout.iterations and missing:  # what an operator asks first about a partial save
                     ckpt.reason = iteration.describe_missing(missing, iteration.in_flight(os.path.dirname(files[0][1].path)))
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id

@@ -129,6 +129,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
     strategy_path = strategy.path if strategy and _servable(os.path.dirname(run.path), strategy.path) else None
     lease = as_utc(ckpt.lease_until) if ckpt.lease_until is not None else None
+    layout = runlayout.by_name(run.layout)
     if opts.lease and (lease is None or lease < now + RESUME_LEASE / 2):
         ckpt.lease_until = now + RESUME_LEASE  # renewed at most every 15 min: polling stays read-only
     answer: dict[str, Any] = {
@@ -139,7 +140,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "name_step": ckpt.step,
         "prefix": ckpt.prefix,
         "incarnation": ckpt.incarnation,
-        "layout": run.layout or runlayout.NATIVE,
+        "layout": layout.name,
         "world_size": ckpt.expected_ranks,
         "strategy_file": strategy_path,
         "strategy_hash": strategy.content_hash if strategy else None,
@@ -148,9 +149,9 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
         "conversion": None,
-        "mindformers": mindformers_block(run.path, dict(shards), ckpt) if run.layout == runlayout.MINDFORMERS else None,
+        "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
-    if run.layout == runlayout.CKPT2:
+    if layout.iterations:
         return _iteration_answer(answer, run.path, ckpt, rows, steps, s)
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
@@ -211,14 +212,15 @@ def load_entries(own: dict[int, str], world: int | None, load_plan: str | None,
     return entries
 
 
-def mindformers_block(run_path: str, own: dict[int, str], ckpt: Checkpoint) -> dict[str, Any]:
+def mindformers_block(layout: runlayout.RunLayout, run_path: str, own: dict[int, str],
+                      ckpt: Checkpoint) -> dict[str, Any]:
     """What MindFormers' own resume needs to load exactly this step: ``load_checkpoint`` (the
     directory of ``rank_<r>/``) and ``resume_training`` (a file name; MindFormers substitutes each
     rank's ``_rank_<r>``). ``loadable_by_mindformers`` is false when some rank has no file of its
     own (a subset save): MindFormers' loader would then fail — load per ``shards[].load_from``."""
     first = min(own) if own else None
     return {
-        "load_checkpoint": os.path.dirname(runlayout.shard_dir(run_path, 0, runlayout.MINDFORMERS)),
+        "load_checkpoint": layout.rank_base(run_path),
         "resume_training": os.path.basename(own[first]) if first is not None else None,
         "loadable_by_mindformers": ckpt.expected_ranks is not None and set(own) >= set(range(ckpt.expected_ranks)),
         "remove_redundancy": bool(ckpt.load_plan) and set(own) >= set(range(ckpt.expected_ranks or 0)),
@@ -476,7 +478,7 @@ class ResumeCache:
         flip = node_registry.next_change(s, opts.node_timeout) if node_registry.several(s) else None
         doc = resume(s, run_name, opts)
         body = json.dumps(doc).encode()
-        if doc["layout"] == runlayout.CKPT2:
+        if runlayout.by_name(doc["layout"]).has_tracker:
             return body  # it reports the tracker file's state, which no catalog write announces
         if flip is not None:
             now -= max(0.0, self.ttl - max(0.0, (flip - datetime.now(UTC)).total_seconds()))

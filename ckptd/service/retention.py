@@ -110,7 +110,7 @@ def sweep_torn_temps(sessions: sessionmaker[Session], root: str, grace: float, r
         run_paths = removal.run_paths(s, run_name)
     before = time.time() - grace
     for run_path in run_paths:
-        for d, _ in runlayout.shard_dirs(run_path).shard_dirs:
+        for d in runlayout.shard_dirs(run_path).shard_dirs:
             try:
                 names = confine.listdir_beneath(root, d)
             except (OSError, confine.ConfinementError):
@@ -153,11 +153,11 @@ def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, 
                     h.state = StepState.DELETING.value
 
 
-def _remove_iteration_dirs(root: str, dirs: set[str]) -> None:
-    """A Checkpoint 2.0 iteration is a directory: once its files are gone, so is it (MindFormers'
-    own rotation rmtrees it). Only an empty one: anything else in it is not ours to delete."""
+def _remove_step_dirs(root: str, dirs: set[str]) -> None:
+    """A step that is a directory (a Checkpoint 2.0 iteration): once its files are gone, so is it
+    (MindFormers' own rotation rmtrees it). Only an empty one: anything else in it is not ours to delete."""
     for d in sorted(dirs):
-        if runlayout.is_iteration_dir(root, d):
+        if runlayout.is_step_dir(root, d):
             with contextlib.suppress(OSError):  # ConfinementError included: a symlink is not ours either
                 confine.rmdir_beneath(root, d)
 
@@ -228,7 +228,7 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if mine:
             with sessions.begin() as s:
                 removal.mark_shards_deleted(s, mine)
-            _remove_iteration_dirs(root, {os.path.dirname(path) for _, path, _, _ in rows})
+            _remove_step_dirs(root, {os.path.dirname(path) for _, path, _, _ in rows})
         with sessions() as s:
             left = removal.nodes_still_holding(s, ckpt_id)
         if left:

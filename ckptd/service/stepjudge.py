@@ -31,7 +31,7 @@ from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_b
 from ckptd.service import iteration
 from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
 from ckptd.settings import Settings
-from ckptd.states import ShardState, allows_subset
+from ckptd.states import ShardState
 
 #: how a step's reason starts when its files verified but no layout could be checked
 LAYOUT_UNCHECKED = "layout unchecked: "
@@ -124,7 +124,7 @@ class StepJudge:
         once: the step check then reuses them), read in the caller's session (the verifier's claim
         transaction: no round trips of its own on the hot path); None for steps judged otherwise
         (Checkpoint 2.0)."""
-        return None if _layout(s, ckpt) == runlayout.CKPT2 else self._plan(s, ckpt)
+        return None if _layout(s, ckpt).iterations else self._plan(s, ckpt)
 
     def _plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan:
         strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
@@ -177,7 +177,7 @@ class StepJudge:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None:
                 return []
-            if _layout(s, ckpt) == runlayout.CKPT2:
+            if _layout(s, ckpt).iterations:
                 return self._check_iteration(ckpt_id, unjudged_only)
             rows = self._rows(s, ckpt_id)
             expected = ckpt.expected_ranks
@@ -300,13 +300,13 @@ def _fresh(row: _Row, stamp: str) -> ShardFacts | None:
         return None
 
 
-def _layout(s: Session, ckpt: Checkpoint) -> str | None:
-    """The layout the step is judged by (a converted copy is ckptd's own: none of the run's)."""
-    return repo.run_layout(s, ckpt) if ckpt.kind != "converted" else None
+def _layout(s: Session, ckpt: Checkpoint) -> runlayout.RunLayout:
+    """The layout the step is judged by (a converted copy is ckptd's own, native: none of the run's)."""
+    return runlayout.by_name(repo.run_layout(s, ckpt) if ckpt.kind != "converted" else None)
 
 
 def _subset(s: Session, ckpt: Checkpoint) -> bool:
-    return allows_subset(_layout(s, ckpt))
+    return _layout(s, ckpt).allows_subset
 
 
 def _unusable_strategy(s: Session, run: Run) -> str | None:
