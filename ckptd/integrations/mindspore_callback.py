@@ -282,8 +282,7 @@ class CkptdCallback(Callback):
             directory = None if (getattr(ckpt, "_directory_func", None) or getattr(ckpt, "use_legacy_format", True)
                                  is False) else getattr(ckpt, "_directory", None)
             if self.run_dir and directory is not None:
-                want = {os.path.realpath(runlayout.shard_dir(self.run_dir, self.rank, layout))
-                        for layout in (runlayout.NATIVE, runlayout.MINDFORMERS)}
+                want = {os.path.realpath(d) for d in runlayout.rank_shard_dirs(self.run_dir, self.rank)}
                 if os.path.realpath(directory) not in want:
                     mine_dir = runlayout.shard_dir(self.run_dir, self.rank)
                     raise _refuse(f"ModelCheckpoint writes into {directory}, not {mine_dir}: ckptd would never "

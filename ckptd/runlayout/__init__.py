@@ -211,6 +211,12 @@ def shard_file_name(prefix: str, rank: int, epoch: int, step: int, layout: str |
     return f"{file_prefix(prefix, rank, layout, incarnation)}-{epoch}_{step}.{fmt}"
 
 
+def rank_shard_dirs(run_path: str, rank: int) -> list[str]:
+    """Every directory ``rank`` may save into, across the layouts with rank directories (what a
+    ``ModelCheckpoint`` of that rank may be pointed at)."""
+    return [lay.shard_dir(run_path, rank) for lay in LAYOUTS if lay.rank_base(run_path) is not None]
+
+
 def shard_path(run_path: str, rank: int, prefix: str, epoch: int, step: int, layout: str | RunLayout = NATIVE, *,
                incarnation: int = 0, fmt: str = "ckpt") -> str:
     name = shard_file_name(prefix, rank, epoch, step, layout, incarnation=incarnation, fmt=fmt)

@@ -89,7 +89,7 @@ def _check_layout_bytes(s: Session, ckpt: Checkpoint, strat_row: StrategyFile | 
     from ckptd.convert import derive_strategy, parse_layout_spec
     from ckptd.convert.plan import check_output_bytes, least_output_bytes
 
-    if strat_row is None or strat_row.content is None or repo.run_layout(s, ckpt) == runlayout.CKPT2:
+    if strat_row is None or strat_row.content is None or runlayout.by_name(repo.run_layout(s, ckpt)).iterations:
         return
     try:
         src = parse_strategy_bytes(strat_row.content, strat_row.path)
