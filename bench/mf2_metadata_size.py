@@ -55,7 +55,7 @@ def _stub_import() -> None:
     spec = importlib.util.find_spec("mindformers")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("mindformers is not installed (pip install --no-deps mindformers==2.1.0)")
-    site = os.path.dirname(list(spec.submodule_search_locations)[0])
+    site = os.path.dirname(next(iter(spec.submodule_search_locations)))
     for name in STUB_PACKAGES:
         pkg_dir = os.path.join(site, *name.split("."))
         mod = types.ModuleType(name)
@@ -131,7 +131,7 @@ def write_metadata(dp: int, tp: int, pp: int, opt_shard: bool, path: str) -> str
     md.get_group_size = lambda: world  # the file names' "-NNNNNNN-<world>" part
     st.get_real_group_size = lambda: world
     params, ranks, model_keys = layout_index(dp, tp, pp, opt_shard)
-    metas = st._build_all_sharded_tensor_from_layout_index(params, ranks)  # noqa: SLF001 - MindFormers' own
+    metas = st._build_all_sharded_tensor_from_layout_index(params, ranks)  # MindFormers' own
     try:
         from mindformers.checkpoint import checkpoint as ck
     except Exception as err:  # noqa: BLE001 - whatever of MindFormers' dependencies is missing

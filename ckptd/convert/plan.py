@@ -117,7 +117,7 @@ def least_output_bytes(source_bytes: int, src: Strategy, dst: Strategy) -> int:
     few bytes of framing each) the estimate is that ratio times them, and comparing it with
     :func:`output_bytes_bound` of the same bytes refuses only when the ratio exceeds
     :data:`MAX_OUTPUT_FACTOR`: never a conversion the planner would accept."""
-    def copies(strategy: Strategy, splits) -> dict[str, Fraction]:  # noqa: ANN001
+    def copies(strategy: Strategy, splits) -> dict[str, Fraction]:
         out: dict[str, Fraction] = {}
         for e in strategy.entries:
             out[e.name] = out.get(e.name, Fraction(0)) + Fraction(strategy.stage_device_num,
