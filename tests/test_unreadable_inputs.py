@@ -201,6 +201,23 @@ def test_metadata_scanner_refuses_what_json_loads_would_not_bound(raw, message):
         mf2.parse_metadata(raw, "/r/metadata.json")
 
 
+def test_metadata_layouts_are_kept_in_at_most_the_file_size():
+    """Layouts are kept as compact JSON text, where a character outside ASCII becomes a 6-byte ``\\u``
+    escape (3 times its UTF-8): a 500 MiB file of such layouts took +1.5 GiB. Refused once the kept
+    text would outgrow the file; the same layouts in ASCII are kept."""
+    def doc(char: str) -> bytes:
+        lay = json.dumps({"alias_name": [char * 50_000]}, ensure_ascii=False)
+        ents = ",".join(f'"t{i}":{{"properties":{{"dtype":"Float32"}},"global_shape":[1],"axis_fragmentations":[1],'
+                        f'"layout":{lay}}}' for i in range(8))
+        recs = ",".join(f'"(\'t{i}\', (0,))":[{{"file_name":"x.safetensors","storage_rank":0,"rank_group":[0]}}]'
+                        for i in range(8))
+        return ('{"state_dict_metadata":{' + ents + '},"storage_data":{' + recs + "}}").encode()
+
+    assert len(mf2.parse_metadata(doc("a"), "/r/metadata.json").layouts) == 8
+    with pytest.raises(LimitExceededError, match="holds layouts that are longer than the file itself"):
+        mf2.parse_metadata(doc("\u00e9"), "/r/metadata.json")
+
+
 def test_metadata_in_another_form_gives_the_same_placements(tmp_path):
     """Pretty-printed, storage_data first, records with their keys in another order: the same
     placements as MindFormers' compact form (the scanner's slow path is the JSON parser per record)."""

@@ -163,7 +163,9 @@ def _plain_name(file_name: object) -> bool:
 # entry by entry. Storage records (the bulk: every replica's rank group) are matched whole by one
 # regular expression and kept as (file name, rank); each tensor's description goes through the JSON
 # parser alone (at most MAX_METADATA_VALUE_BYTES). What the result may hold is counted while scanning
-# (limits.MAX_METADATA_TENSORS / MAX_METADATA_ITEMS), and nesting is bounded (MAX_JSON_DEPTH).
+# (limits.MAX_METADATA_TENSORS / MAX_METADATA_ITEMS), and nesting is bounded (MAX_JSON_DEPTH). Layouts are
+# kept as compact text, at most the file's size in all: re-dumped with \u escapes, layouts of non-ASCII
+# strings took 3 times the file (a crafted 500 MiB file: +1.5 GiB).
 
 _S = rb"[ \t\n\r]*+"
 _STR_RE = rb'"(?:[^"\\\x00-\x1f]|\\.)*+"'
@@ -198,6 +200,7 @@ class _Scan:
         self.pending: list[tuple[str, tuple[int, ...], list[tuple[str, int]], str, int]] = []
         self.placements: list[Placement] = []
         self.layouts: dict[str, str] = {}
+        self.layout_chars = 0  # of the layouts kept: at most the file's size
         self.shared: dict[Any, Any] = {}  # file names, dtypes, shapes and ranks: one object each
         self.not_objects = CorruptError("metadata.json has no state_dict_metadata / storage_data objects", path=path,
                                         hint="not MindFormers' metadata.json; re-save the iteration")
@@ -341,7 +344,12 @@ class _Scan:
         self.tensors[name] = _Tensor(name, self.share(dtype) if isinstance(dtype, str) else None, shape, frags,
                                      chunks or None)
         if meta.get("layout"):
-            self.layouts[name] = json.dumps(meta["layout"], separators=(",", ":"))
+            text = json.dumps(meta["layout"], separators=(",", ":"))
+            self.layout_chars += len(text)
+            if self.layout_chars > self.n:  # MindFormers' layouts are compact ASCII: their copies fit in the file
+                raise self.limit("holds layouts that are longer than the file itself once kept as compact JSON text "
+                                 "(characters outside ASCII, each kept as a 6-byte \\u escape)", pos)
+            self.layouts[name] = text
         return end
 
     def slice_records(self, key: str, pos: int) -> int:
@@ -408,7 +416,8 @@ class _Scan:
 def parse_metadata(raw: bytes, path: str) -> IterationMetadata:
     """The placements ``metadata.json`` promises (and the tensors' layouts); a record that cannot be
     true is a :class:`~ckptd.errors.CorruptError`, one beyond ckptd's limits a
-    :class:`~ckptd.format.limits.LimitExceededError`. Memory: the text, plus ~100 bytes per placement."""
+    :class:`~ckptd.format.limits.LimitExceededError`. Memory: the text, plus ~100 bytes per placement
+    and the layouts (as text: at most the text's size again)."""
     if len(raw) > MAX_METADATA_BYTES:
         raise _too_large("metadata.json", len(raw), MAX_METADATA_BYTES, path)
     return _Scan(raw, path).run()
