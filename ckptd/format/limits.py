@@ -82,19 +82,25 @@ MAX_JSON_DEPTH = 64
 
 #: MindFormers Checkpoint 2.0 ``metadata.json``. Measured with MindFormers 2.1.0's own writer
 #: (``save_metadata_json`` over real ``mindspore.parallel.Layout`` objects, docs/FORMATS.md section 6;
-#: reproduce with bench/mf2_metadata_size.py, bench/RESULTS.md 2026-12-04):
-#: Llama-2-70B (80 layers, hidden 8192, ffn 28672, vocab 32000, GQA 8 kv heads) with Adam state on
-#: 256 ranks (tp 8, pp 4, dp 8): 19,941,034 B = 19.0 MiB, 1,451 tensors, 8,213 slices, 93,248 storage
-#: records; the same model on 512 ranks (dp 16): 56.7 MiB (the records repeat every replica's rank
-#: group, so the file grows with dp squared). 64 MiB = 3.4x that 256-rank file and holds the 512-rank
-#: one -- but not every 256-rank layout: tp 8, pp 2, dp 16 is 53.1 MiB (1.2x margin) and tp 8, pp 1,
-#: dp 32 with optimizer parallelism 103.4 MiB (and 549,363 items), which this bound refuses.
-MAX_METADATA_BYTES = 64 << 20
+#: reproduce with bench/mf2_metadata_size.py, bench/RESULTS.md 2026-12-04) for Llama-2-70B (80 layers,
+#: hidden 8192, ffn 28672, vocab 32000, GQA 8 kv heads) with Adam state. Every storage record repeats
+#: its slice's rank group, so the file grows with dp squared: the largest layout of a world is tp 8,
+#: pp 1, all the rest dp, moments sharded over dp (optimizer parallel):
+#:   256 ranks (dp 32):  108,386,965 B = 103.4 MiB,   549,363 slices + records (tp 8 / pp 4 / dp 8: 19.0 MiB);
+#:   512 ranks (dp 64):  323,710,677 B = 308.7 MiB, 1,093,971 slices + records;
+#:  1024 ranks (dp 128): 1,079,544,424 B = 1029.5 MiB, 2,185,171 slices + records -- refused.
+#: 512 MiB holds every measured 512-rank layout (1.66x over the largest; 4.95x over the 256-rank one,
+#: which the old 64 MiB refused). The bounded parse (mf2.py) keeps ~100-200 bytes per placement:
+#: measured peak growth at this bound 0.31x for a file of MindFormers' shape just under it (+159 MiB),
+#: 0.46x for the 512-rank file, 1.16x (+402 MiB) for MAX_METADATA_ITEMS of the smallest records; with
+#: the file's bytes, ~1 GiB per reader at worst.
+MAX_METADATA_BYTES = 512 << 20
 #: Tensors ``metadata.json`` describes (the 70B save above: 1,451): as many as one checkpoint file may hold.
 MAX_METADATA_TENSORS = MAX_ENTRIES
-#: Slices (``chunk`` entries) plus storage records of one ``metadata.json`` (256 ranks: 101,461;
-#: 512 ranks: 202,922): each costs ~100 bytes once parsed, so ~50 MB at the limit.
-MAX_METADATA_ITEMS = 1 << 19  # 524,288
+#: Slices (``chunk`` entries) plus storage records of one ``metadata.json`` (512 ranks: 1,093,971, above).
+#: MindFormers' files take 137-494 bytes of text per item (all 9 measured), so a real file within
+#: MAX_METADATA_BYTES has < 3.9 M; each costs ~100 bytes once parsed, so ~400 MiB at the limit (measured: +402 MiB).
+MAX_METADATA_ITEMS = 1 << 22  # 4,194,304
 #: One value ``metadata.json`` gives Python's JSON parser at a time (a tensor's description, a slice's
 #: records in a form other than MindFormers', a key ckptd does not know): real ones are ~1-3 KB, and the
 #: parser's objects cost up to ~26 times the text.
