@@ -13,12 +13,12 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ckptd.errors import CkptdError
-from ckptd.format.atomic import TMP_SUFFIX
+from ckptd.atomic import TMP_SUFFIX
 from ckptd.runlayout import NODE_MARKER_PREFIX
 
 
 #: A node's sharing marker is the file ``<root>/.ckptd-node-<name>`` (runlayout.node_marker_path),
-#: written through the temp name ``<marker>.<pid>.ckptd-tmp`` (format.atomic; a pid has at most 7
+#: written through the temp name ``<marker>.<pid>.ckptd-tmp`` (ckptd.atomic; a pid has at most 7
 #: digits, pid_max <= 2**22): that must fit a file name (NAME_MAX, 255 bytes), so a node name has
 #: at most 225 characters (the pattern admits ASCII only: characters are bytes).
 NODE_NAME_MAX = 255 - len(NODE_MARKER_PREFIX) - len(".4194304") - len(TMP_SUFFIX)

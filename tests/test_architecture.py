@@ -84,11 +84,13 @@ def test_layers_import_only_layers_above_them():
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
 
 
-def test_the_job_side_never_imports_the_catalog_or_the_service():
+def test_the_job_side_never_imports_the_catalog_the_service_the_converter_or_the_formats():
+    """The launcher asks ckptd over HTTP; it derives no conversion target and reads no checkpoint
+    (issue 21: a thin launcher). The MindSpore callback restores through MindSpore itself."""
     rows = layers()
     job = next(i for i, (name, _, _) in enumerate(rows) if name == "job side")
-    assert "import the service or the catalog" in rows[job][2]
-    banned = [i for i, (name, _, _) in enumerate(rows) if name in ("catalog", "service")]
+    assert "import the service, the catalog, the converter or the formats" in rows[job][2]
+    banned = [i for i, (name, _, _) in enumerate(rows) if name in ("catalog", "service", "conversion", "formats")]
     wrong = [f"{rel} imports {target}" for rel in modules() if layer_index(rows, rel) == job
              for target in imported(rel) if layer_index(rows, target) in banned]
     assert not wrong, wrong

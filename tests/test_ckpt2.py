@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.split import parse_split
 from ckptd import runlayout
 from ckptd.daemon import Daemon
 from ckptd.errors import CorruptError
@@ -323,7 +324,7 @@ def test_convert_iterations_to_legacy_files(ms, root, tmp_path, catalog_url):
         write_files(ms, ckpt / f"iteration_{it:08d}", it)
     d = _settle(root, catalog_url, {"job": {100: "verified", 200: "verified"}})
     try:
-        docs = {it: convert_step(d.sessions, str(root), "job", it, to_layout=layout)
+        docs = {it: convert_step(d.sessions, str(root), "job", it, split=parse_split(layout))
                 for it, layout in ((100, "tp=1,dp=1"), (200, "tp=2,dp=1"))}
     finally:
         d.stop()

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ckptd.split import parse_split
 from ckptd import confine
 from tests.daemon_helpers import (fast_settings, query, save_shard, save_tp_step, started_daemon, step_states, wait_for,
                                   wait_for_rescans, write_tp_strategy)
@@ -111,7 +112,7 @@ def test_a_symlinked_converted_directory_cannot_redirect_a_conversion(ms, root, 
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
         os.symlink(outside, root / "run6" / "converted")
         with pytest.raises(confine.ConfinementError, match="symlink"):
-            convert_step(d.sessions, str(root), "run6", 2, to_layout="tp=1,dp=1")
+            convert_step(d.sessions, str(root), "run6", 2, split=parse_split("tp=1,dp=1"))
         assert list(outside.iterdir()) == []  # nothing written outside: no copy, no strategy, no temp dir
         assert query(catalog_url, "SELECT count(*) FROM checkpoints WHERE kind = 'converted'") == [(0,)]
     finally:

@@ -9,6 +9,7 @@ import os
 import pytest
 from sqlalchemy.orm import sessionmaker
 
+from ckptd.split import parse_split
 from ckptd import confine
 from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
@@ -38,7 +39,7 @@ def test_fifos_fail_a_conversion_instead_of_blocking_it(ms, tmp_path, catalog_ur
     engine = make_engine(catalog_url)  # sessions only: nothing watching, as between the check and the open
     try:
         with pytest.raises(confine.ConfinementError, match="FIFO"):
-            convert_step(sessionmaker(engine, expire_on_commit=False), str(root), "run", 2, to_layout="tp=1,dp=1")
+            convert_step(sessionmaker(engine, expire_on_commit=False), str(root), "run", 2, split=parse_split("tp=1,dp=1"))
     finally:
         engine.dispose()
     assert query(catalog_url, "SELECT state FROM conversion_jobs") in ([], [("failed",)])

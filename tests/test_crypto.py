@@ -23,7 +23,7 @@ from ckptd.errors import (
     TruncatedError,
     WrongKeyError,
 )
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 from ckptd.format.workpool import BufferPool, is_exported
 from ckptd.format.crypto import (
     ENCRYPT_BLOCK_SIZE,

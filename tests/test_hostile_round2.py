@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import sessionmaker
 
+from ckptd.split import parse_split
 from ckptd import confine, runlayout
 from ckptd.errors import CkptdError
 from tests.daemon_helpers import migrated_sqlite, query, save_shard, save_tp_step, started_daemon, step_states, wait_for
@@ -42,7 +43,7 @@ def _target_hash(root: Path, run: str, layout: str) -> str:
     from ckptd.service.conversions import resolve_target
 
     src = load_strategy(root / run / "strategy.ckpt")
-    return resolve_target(src, None, layout, str(root)).content_hash()
+    return resolve_target(src, None, parse_split(layout), str(root)).content_hash()
 
 
 class Swapper(threading.Thread):
@@ -89,7 +90,7 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
         racer.start()
         done = False
         try:
-            convert_step(sessions, str(root), "r", 2, to_layout="tp=1,dp=1")
+            convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
             done = True
             outcomes["done"] = outcomes.get("done", 0) + 1
         except CkptdError as err:  # refused: fine, as long as nothing escaped (never another exception)
@@ -174,13 +175,13 @@ def test_a_planted_strategy_link_is_never_read_nor_served(ms, root, outside, cat
     out.mkdir(parents=True)
     os.symlink(secret, out / "strategy.ckpt")
     with pytest.raises(confine.ConfinementError, match="symlink"):
-        convert_step(sessions, str(root), "r", 2, to_layout="tp=1,dp=1")
+        convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
     assert query(catalog_url, "SELECT count(*) FROM checkpoints WHERE kind = 'converted'") == [(0,)]
     assert not any(b"SECRET" in (c or b"") for (c,) in query(catalog_url, "SELECT content FROM strategy_files"))
     assert sorted(os.listdir(out)) == ["strategy.ckpt"]  # refused before anything was written; the link left alone
     # the link gone, the conversion runs; a link swapped in afterwards is not handed to a launcher
     os.unlink(out / "strategy.ckpt")
-    doc = convert_step(sessions, str(root), "r", 2, to_layout="tp=1,dp=1")
+    doc = convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
     with sessions.begin() as s:
         existing = resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"]
     assert existing["strategy_file"] == str(out / "strategy.ckpt")
@@ -203,19 +204,19 @@ def test_a_lost_converted_copy_is_not_offered_and_converting_again_replaces_it(m
     d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
-        first = convert_step(d.sessions, str(root), "r", 2, to_layout="tp=1,dp=1", node=d.settings.node_name)
+        first = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         shutil.rmtree(first["out_dir"])  # the copy's files are gone
         d.watcher.poke_rescan()
         wait_for(lambda: query(catalog_url, "SELECT state FROM checkpoints WHERE kind = 'converted'") == [("deleted",)],
                  60, what="the copy following its files")
         with d.sessions.begin() as s:
             assert resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"] is None
-        again = convert_step(d.sessions, str(root), "r", 2, to_layout="tp=1,dp=1", node=d.settings.node_name)
+        again = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         assert again["state"] == "done" and not again["reused"] and again["out_dir"] == first["out_dir"]
         assert again["output_checkpoint_id"] == first["output_checkpoint_id"]  # the lost copy's row, replaced
         # lost again, before any rescan noticed: converting again still replaces it
         shutil.rmtree(first["out_dir"])
-        third = convert_step(d.sessions, str(root), "r", 2, to_layout="tp=1,dp=1", node=d.settings.node_name)
+        third = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         assert third["state"] == "done" and not third["reused"]
         with d.sessions.begin() as s:
             existing = resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"]

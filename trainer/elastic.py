@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from ckptd.launcher import elastic
 from ckptd.launcher.elastic import in_other_layout  # noqa: F401 -- re-exported: trainer.launch imports it from here
-from ckptd.launcher.oracle import ResumeAnswer
+from ckptd.launcher.oracle import ResumeAnswer, ask_http
+from ckptd.split import ParallelSplit
 
 
 def job_strategy_hash(tp: int, dp: int, train_args: list[str]) -> str:
@@ -30,5 +31,11 @@ def job_strategy_hash(tp: int, dp: int, train_args: list[str]) -> str:
 
 def resume_converted(url: str, run: str, tp: int, dp: int, target_hash: str, answer: ResumeAnswer,
                      timeout: float, log: Callable[..., None]) -> ResumeAnswer:
-    """:func:`ckptd.launcher.elastic.resume_converted` for the trainer's ``tp x dp``."""
-    return elastic.resume_converted(url, run, elastic.Layout(tp, dp), target_hash, answer, timeout, log)
+    """:func:`ckptd.launcher.elastic.resume_converted` for the trainer's ``tp x dp``: ckptd is asked
+    for the answered step's copy of exactly the strategy the trainer will write (``strategy_hash``)."""
+    split = ParallelSplit(tp, dp)
+
+    def reask(step: int) -> ResumeAnswer:
+        return ask_http(url, run, split.world, world_size=split.world, strategy_hash=target_hash, max_step=step)
+
+    return elastic.resume_converted(url, run, split, target_hash, reask(int(answer.step or 0)), timeout, log, reask)

@@ -11,6 +11,7 @@ from ckptd.api.errors import responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.schemas import ConversionOut, ConversionRequest, JobOut
 from ckptd.service import conversions
+from ckptd.split import parse_split
 
 router = APIRouter(prefix="/v1/runs", tags=["conversions"], responses=responses(400, 401, 403, 404, 422))
 
@@ -29,12 +30,13 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
     """
     root = str(request.app.state.settings.root)
     daemon = request.app.state.daemon
+    split = parse_split(body.to_layout, "to_layout") if body.to_layout is not None else None
     with daemon.sessions() as s:  # 400 / 404 now, not a failed job later (a too-large to_layout too)
-        conversions.check_request(s, root, run, body.step, to_layout=body.to_layout, to_strategy=body.to_strategy)
+        conversions.check_request(s, root, run, body.step, split=split, to_strategy=body.to_strategy)
 
     def work(progress):  # noqa: ANN001, ANN202
         doc = conversions.convert_step(
-            daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, to_layout=body.to_layout,
+            daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, split=split,
             key=daemon.verifier.key, progress=progress, node=daemon.settings.node_name,
         )
         report = doc.get("report")

@@ -24,6 +24,7 @@ from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.schemas import HealthCleared, HealthReport, ResumeAnswer
 from ckptd.service import health
 from ckptd.service.resume import ResumeCache, ResumeOptions
+from ckptd.split import parse_split
 
 router = APIRouter(prefix="/v1/runs", tags=["resume"], responses=responses(400, 401, 403, 422))
 
@@ -50,10 +51,16 @@ async def get_resume(
     ),
     exclude_unreachable: bool = Query(
         default=False, description="pass over steps with a shard on a node whose daemon is silent (after a node loss)"),
+    layout: str | None = Query(
+        default=None, max_length=100,
+        description="the job's split tp=..,dp=..[,pp=..]: 'conversion' says whether the step must be re-sharded for "
+                    "it, to which strategy hash (derived from the strategy the step was saved with), and the ready "
+                    "copy of exactly that layout"),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
+    split = parse_split(layout, "layout") if layout is not None else None
     opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash,
-                         exclude_unreachable, request.app.state.settings.node_timeout)
+                         exclude_unreachable, request.app.state.settings.node_timeout, split)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ckptd.convert.layouts import MAX_WORLD_SIZE
+from ckptd.split import MAX_WORLD_SIZE
 
 #: bounds of what the catalog stores (steps BIGINT, ids and counts INTEGER on PostgreSQL)
 INT64_MAX = 2**63 - 1
@@ -78,6 +78,9 @@ class ConversionInfo(BaseModel):
     to_world_size: int | None = Field(description="null when only a strategy_hash was asked for and no copy exists")
     existing: dict[str, Any] | None = Field(description="a ready converted copy: {shards, strategy_file}, or null")
     hint: str | None = None
+    target_strategy_hash: str | None = Field(default=None, description="asked with layout=: the strategy hash of the "
+                                                                       "copy this split needs (its conversion's target)")
+    impossible: str | None = Field(default=None, description="asked with layout=: why no conversion can make it")
 
 
 class ResumeAnswer(BaseModel):
@@ -300,7 +303,7 @@ class ConversionRequest(BaseModel):
         {"required": ["to_strategy"], "properties": {"to_strategy": {"type": "string"}}},
     ]})
     step: StepNumber = Field(description="a verified step of the run")
-    # no pattern here: ckptd.convert.layouts.parse_layout_spec is the one grammar (the route applies
+    # no pattern here: ckptd.split.parse_split is the one grammar (the route applies
     # it, so a bad value is 400 with what is wrong, as the job would have failed)
     to_layout: str | None = Field(default=None, max_length=200,
                                   description="derive the target from the source strategy: tp=N,dp=N[,pp=N] (positive "

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ckptd import runlayout
 from ckptd.catalog.models import Node, Shard, as_utc
 from ckptd.catalog.repo import Owner, insert_ignore
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 
 log = logging.getLogger("ckptd.nodes")
 

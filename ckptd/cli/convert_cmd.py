@@ -106,7 +106,8 @@ def _usage(message: str) -> CkptdError:
 
 
 def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
-    from ckptd.convert.layouts import derive_strategy, parse_layout_spec
+    from ckptd.convert.layouts import derive_strategy
+    from ckptd.split import parse_split
     from ckptd.convert.sources import resolve_strategy
 
     if args.src_strategy is None:  # a Checkpoint 2.0 iteration: its metadata.json is the source layout
@@ -116,11 +117,11 @@ def _strategies(args: argparse.Namespace) -> tuple[Any, Any, str | None]:
     else:
         src = None if args.src_strategy.lower() == "none" else resolve_strategy(args.src_strategy)
     if args.to_layout is not None:
-        spec = parse_layout_spec(args.to_layout)
+        split = parse_split(args.to_layout)
         if src is None:
             raise _usage("--to-layout derives from the source strategy; it needs --src-strategy FILE")
-        dst = derive_strategy(src, spec["tp"], spec["dp"], spec.get("pp"))
-        name = f"strategy_tp{spec['tp']}_dp{spec['dp']}_pp{dst.stages}.ckpt"
+        dst = derive_strategy(src, split.tp, split.dp, split.pp)
+        name = f"strategy_tp{split.tp}_dp{split.dp}_pp{dst.stages}.ckpt"
         return src, dst, name
     dst = None if args.to_strategy.lower() == "none" else resolve_strategy(args.to_strategy)
     return src, dst, None
@@ -187,6 +188,7 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
     from ckptd.cli.catalog_cmds import catalog_sessions
     from ckptd.format.crypto_blocks import load_key_file
     from ckptd.service.conversions import convert_step
+    from ckptd.split import parse_split
 
     if args.src or args.src_strategy or args.plan or args.rank:
         raise _usage("--run works with --step, --to-strategy/--to-layout, [--out], key files and --workers only")
@@ -194,7 +196,8 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
         raise _usage("--run needs --step N (the step as `ckptd ls RUN` shows it)")
     settings, sessions = catalog_sessions(args)
     doc = convert_step(
-        sessions, str(settings.root), args.run, int(args.step), to_strategy=args.to_strategy, to_layout=args.to_layout,
+        sessions, str(settings.root), args.run, int(args.step), to_strategy=args.to_strategy,
+        split=parse_split(args.to_layout) if args.to_layout is not None else None,
         out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
         out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,
         node=settings.node_name,

@@ -28,5 +28,4 @@ __all__, __getattr__ = lazy_exports(__name__, {
     "find_source_files": "ckptd.convert.execute",
     "resolve_strategy": "ckptd.convert.sources",
     "derive_strategy": "ckptd.convert.layouts",
-    "parse_layout_spec": "ckptd.convert.layouts",
 })

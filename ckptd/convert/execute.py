@@ -376,7 +376,7 @@ def _write_file(dir_fd: int, name: str, content: bytes) -> None:
 def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None, out_key: bytes | None,
                   out_format: OutFormat, prefix: str, workers: int | None, progress: Progress | None,
                   t0: float, strategy_file: tuple[str, bytes] | None) -> ConvertReport:
-    from ckptd.format.atomic import atomic_write
+    from ckptd.atomic import atomic_write
 
     taken = [f"rank_{r.rank}" for r in plan.ranks if confine.exists_at(out_fd, f"rank_{r.rank}")]
     if taken:

@@ -23,44 +23,13 @@ tensor-parallel axis -- the new layout follows mechanically. The rule (pure, doc
 
 from __future__ import annotations
 
-import re
-
+from ckptd import split as split_rules
 from ckptd.convert.plan import ConvertError
-from ckptd.format.layout import MAX_DEVICES, TensorLayout, slice_for_rank
+from ckptd.format.layout import TensorLayout, slice_for_rank
 from ckptd.format.strategy import OpItem, ParamStrategy, Strategy
 
-_SPEC_ITEM = re.compile(r"\s*(tp|dp|pp)\s*=\s*([1-9][0-9]*)\s*")
-
-#: The largest world (tp x dp x pp) a ``--to-layout`` may ask for: the ranks one strategy stage may
-#: have (:data:`ckptd.format.layout.MAX_DEVICES`; ``ckptd.runlayout.MAX_RANK``, the largest rank
-#: directory ckptd recognises, is the same). Beyond it a layout is a typo, not a cluster.
-MAX_WORLD_SIZE = MAX_DEVICES
-_SPEC_HINT = "use e.g. --to-layout tp=4,dp=2[,pp=2] (positive integers)"
-
-
-def parse_layout_spec(text: str) -> dict[str, int]:
-    """``"tp=4,dp=2[,pp=2]"`` -> ``{"tp": 4, "dp": 2, "pp": 2}`` (tp and dp required, the world
-    at most :data:`MAX_WORLD_SIZE`). The one grammar of a target layout: the CLI, the API's
-    request check and the conversion job all parse with it."""
-    out: dict[str, int] = {}
-    for part in text.split(","):
-        m = _SPEC_ITEM.fullmatch(part)
-        if m is None:
-            raise ConvertError(f"bad --to-layout item {part.strip()[:40]!r}", hint=_SPEC_HINT)
-        if m.group(1) in out:
-            raise ConvertError(f"--to-layout sets {m.group(1)} twice", hint=_SPEC_HINT)
-        if len(m.group(2)) > 7:  # int() of a thousand digits is slow and certainly beyond the bound
-            raise ConvertError(f"--to-layout {m.group(1)}={m.group(2)[:12]}...: more than {MAX_WORLD_SIZE} ranks",
-                               hint=_SPEC_HINT)
-        out[m.group(1)] = int(m.group(2))
-    for key in ("tp", "dp"):
-        if key not in out:
-            raise ConvertError(f"--to-layout needs {key}=N", hint=_SPEC_HINT)
-    world = out["tp"] * out["dp"] * out.get("pp", 1)
-    if world > MAX_WORLD_SIZE:
-        raise ConvertError(f"--to-layout {text.strip()} is {world} ranks: more than {MAX_WORLD_SIZE} ranks",
-                           hint="check the layout for a typo; no strategy has more ranks")
-    return out
+#: the largest world a split may have (:mod:`ckptd.split`, the one grammar of ``tp=..,dp=..[,pp=..]``)
+MAX_WORLD_SIZE = split_rules.MAX_WORLD_SIZE
 
 
 def _split_dim(e: ParamStrategy) -> tuple[int | None, int]:

@@ -256,7 +256,7 @@ def write_checkpoint(
     looks for it after decrypting (MindSpore's own writer puts it outside, producing files it
     cannot load itself; see docs/FORMATS.md).
     """
-    from ckptd.format.atomic import atomic_write
+    from ckptd.atomic import atomic_write
 
     with atomic_write(path, overwrite=overwrite) as fh:
         if enc_key is None:

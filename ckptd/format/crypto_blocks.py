@@ -379,7 +379,7 @@ class EncryptingWriter:
     """File-like sink: buffers plaintext and writes one MindSpore block per ``block_size`` bytes.
 
     ``close()`` emits the final (shorter) block and does not close ``fileobj`` (the caller owns it,
-    typically an :func:`~ckptd.format.atomic.atomic_write` handle). Writing nothing writes nothing,
+    typically an :func:`~ckptd.atomic.atomic_write` handle). Writing nothing writes nothing,
     exactly like MindSpore's own save of an empty plaintext.
     """
 

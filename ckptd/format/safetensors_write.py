@@ -20,7 +20,7 @@ import numpy as np
 from ckptd.errors import CkptdError, UnsupportedDtypeError
 from ckptd.format import dtypes as dt
 from ckptd.format import safetensors_format as st_fmt
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 from ckptd.format.crc import crc32
 
 __all__ = ["crc_of_items", "encode_header", "write_safetensors"]

@@ -25,7 +25,7 @@ from typing import Mapping
 
 from ckptd.errors import CkptdError, StrategyError
 from ckptd.format import protowire as pw
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
 from ckptd.format.strategy_json import parse_json, to_json
 from ckptd.format.strategy_types import (

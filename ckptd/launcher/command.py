@@ -22,8 +22,9 @@ import shutil
 from dataclasses import dataclass, field
 
 from ckptd.launcher import elastic, freshstart, template
-from ckptd.launcher.oracle import ConversionError, ResumeAnswer, ask_command
+from ckptd.launcher.oracle import ConversionError, ResumeAnswer, ask_command, ask_http
 from ckptd.launcher.supervise import JOB_ENV, Job, Log, Restarts, Watch, ask_ckptd_once, ask_patiently, supervise
+from ckptd.split import ParallelSplit, SplitError, parse_split
 
 _WORKER_NUM = re.compile(r"^--worker_num(?:=(\d+))?$")
 _LOG_DIR = re.compile(r"^--log_dir(=.*)?$")
@@ -43,7 +44,7 @@ class LaunchSpec:
     #: ``--allow-fresh-start``: train from step 0 even over saves the oracle cannot see
     allow_fresh_start: bool = False
     #: the job's declared layout: elastic restarts from a re-sharded copy (None: refuse another world size)
-    layout: elastic.Layout | None = None
+    layout: ParallelSplit | None = None
     convert_timeout: float = 300.0
     settle_timeout: float = 60.0
     oracle_wait: float = 120.0
@@ -92,21 +93,14 @@ def per_attempt_log_dir(command: list[str], attempt: int) -> tuple[list[str], st
     return out, None
 
 
-def parse_layout(text: str | None, world: int) -> elastic.Layout | None:
+def parse_layout(text: str | None, world: int) -> ParallelSplit | None:
     """``--layout`` checked before anything starts: parsable, and as many ranks as the job has."""
     if text is None:
         return None
-    from ckptd.convert.layouts import parse_layout_spec
-    from ckptd.convert.plan import ConvertError
-
     try:
-        spec = parse_layout_spec(text)
-    except ConvertError as err:
-        # parse_layout_spec's own hints name --to-layout; any other is the converter's generic one
-        hint = err.hint if err.hint and "--to-layout" in err.hint else "use e.g. --layout tp=2,dp=1[,pp=2]"
-        raise LaunchError(f"bad --layout {text!r}: {err.message.replace('--to-layout', '--layout')}; "
-                          f"{hint.replace('--to-layout', '--layout')}") from None
-    layout = elastic.Layout(spec["tp"], spec["dp"], spec.get("pp"))
+        layout = parse_split(text, "--layout")
+    except SplitError as err:
+        raise LaunchError(f"bad --layout {text!r}: {err.message}; {err.hint}") from None
     if layout.world != world:
         raise LaunchError(f"--layout {layout} is {layout.world} ranks, the job has {world} (--world / msrun "
                           f"--worker_num): declare the layout the job will run")
@@ -155,7 +149,7 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
         # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
         answer = ask_ckptd_once(url, spec.run_name, spec.world, spec.settle_timeout, timeout, log,
-                                attempt, spec.exclude_unreachable)
+                                attempt, spec.exclude_unreachable, spec.layout)
         unreachable = (answer.body or {}).get("unreachable_nodes")
         if unreachable:  # the job would load shards from a node whose daemon is silent: say so
             log(attempt=attempt, event="warning", step=answer.step, unreachable_nodes=",".join(unreachable),
@@ -164,11 +158,15 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
             refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
                                              "a copy ckptd re-shards for it")
             return answer
-        target = elastic.conversion_target(answer, spec.layout)
-        if target is None:
-            return answer
-        return elastic.resume_converted(url, spec.run_name, spec.layout, target.hash, answer, spec.convert_timeout,
-                                        lambda **f: log(attempt=attempt, **f), target.why)
+        if answer.step is None or not (answer.conversion or {}).get("needed"):
+            return answer  # ckptd says the step is in the job's split already (or there is none)
+
+        def reask(step: int) -> ResumeAnswer:
+            return ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world,
+                            exclude_unreachable=spec.exclude_unreachable, split=spec.layout, max_step=step)
+
+        return elastic.resume_converted(url, spec.run_name, spec.layout, None, answer, spec.convert_timeout,
+                                        lambda **f: log(attempt=attempt, **f), reask)
 
     return ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
 

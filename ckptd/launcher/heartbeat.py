@@ -20,7 +20,7 @@ import urllib.request
 import xxhash
 
 from ckptd import runlayout
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 
 
 def heartbeat_path(hb_dir: str, rank: int) -> str:

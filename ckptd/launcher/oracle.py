@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from ckptd import runlayout
+from ckptd.split import ParallelSplit
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,25 @@ def _skipped_text(skipped: list) -> str:
 
 
 def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None,
-             exclude_unreachable: bool = False) -> ResumeAnswer:
+             exclude_unreachable: bool = False, split: ParallelSplit | None = None, strategy_hash: str | None = None,
+             max_step: int | None = None) -> ResumeAnswer:
     """``world_size``: name the job's world size in the question (ckptd then says whether a conversion
-    is needed and where a ready converted copy is). ``exclude_unreachable``: ask for the newest step
-    none of whose shards is on a node whose daemon is silent (after a node loss).
+    is needed and where a ready converted copy is); ``split`` (the job's tp/dp/pp) or ``strategy_hash``
+    (of the strategy it will write): the same for exactly that layout. ``exclude_unreachable``: ask
+    for the newest step none of whose shards is on a node whose daemon is silent (after a node
+    loss). ``max_step``: the newest at or before that step.
 
     Raises :class:`OracleUnavailable` when ckptd could not be asked (see :func:`is_transient`), and
     :class:`OracleError` for an answer that is not one (a malformed body, 401/403, another 4xx)."""
     params = {"world_size": str(int(world_size))} if world_size is not None else {}
     if exclude_unreachable:
         params["exclude_unreachable"] = "true"
+    if split is not None:
+        params["layout"] = str(split)
+    if strategy_hash is not None:
+        params["strategy_hash"] = strategy_hash
+    if max_step is not None:
+        params["max_step"] = str(int(max_step))
     query = "?" + urllib.parse.urlencode(params) if params else ""
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume{query}", method="GET")
     token = os.environ.get("CKPTD_TOKEN")
@@ -397,7 +407,7 @@ def _call(url: str, method: str, body: dict | None, timeout: float) -> object:
 
 def request_conversion(url: str, run: str, step: int, to_layout: str, timeout: float = 30.0) -> int:
     """``POST /v1/runs/{run}/conversions`` (admin scope) to ``to_layout`` (``tp=..,dp=..[,pp=..]``,
-    :class:`ckptd.launcher.elastic.Layout`'s text): returns the background job's id."""
+    a :class:`ckptd.split.ParallelSplit`'s text): returns the background job's id."""
     doc = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "POST", {"step": int(step), "to_layout": to_layout},
                 timeout)
     try:

@@ -41,6 +41,7 @@ from ckptd.launcher.oracle import (
     check_ready,
     wait_settled,
 )
+from ckptd.split import ParallelSplit
 
 #: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
 JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
@@ -294,13 +295,15 @@ def ask_patiently(once: Callable[[float], T], wait: float, backoff: float, backo
 
 
 def ask_ckptd_once(url: str, run: str, world: int, settle_timeout: float, timeout: float, log: Log,
-                   attempt: int, exclude_unreachable: bool = False) -> ResumeAnswer:
-    """One round with ckptd: ready (first rescan done), settle, ask -- naming the job's world size,
-    so ckptd says where a copy re-sharded for it is, if it has one."""
+                   attempt: int, exclude_unreachable: bool = False, split: ParallelSplit | None = None) -> ResumeAnswer:
+    """One round with ckptd: ready (first rescan done), settle, ask -- naming the job's world size
+    (and its split, when declared), so ckptd says whether the step must be re-sharded for it and
+    where a ready copy is, if it has one."""
     check_ready(url, timeout=min(5.0, timeout))
     if settle_timeout > 0:
         settle(url, run, settle_timeout, log, attempt)
-    return ask_http(url, run, world, timeout=timeout, world_size=world, exclude_unreachable=exclude_unreachable)
+    return ask_http(url, run, world, timeout=timeout, world_size=world, exclude_unreachable=exclude_unreachable,
+                    split=split)
 
 
 def settle(url: str, run: str, timeout: float, log: Log, attempt: int) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, encode_strategy,
 from ckptd.service import copies, jobs
 from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_step
 from ckptd.service.verifier import stat_of
+from ckptd.split import ParallelSplit
 from ckptd.states import ShardState, StepState
 
 CONVERT_LEASE = timedelta(hours=2)
@@ -61,32 +63,28 @@ def check_source(s: Session, run_name: str, step: int) -> tuple[Checkpoint, dict
     return ckpt, files, strategy
 
 
-def check_request(s: Session, root: str, run_name: str, step: int, *, to_layout: str | None,
+def check_request(s: Session, root: str, run_name: str, step: int, *, split: ParallelSplit | None,
                   to_strategy: str | None) -> None:
     """Everything wrong with a conversion request that is known before a job runs, refused (400 /
-    404) before one is queued: both or neither target, a ``to_layout`` the job's own parser and
-    derivation refuse, a ``to_strategy`` outside the root, no verified save of ``step``, and a
-    ``to_layout`` whose output would exceed the bytes bound (:func:`_check_layout_bytes`)."""
-    if (to_layout is None) == (to_strategy is None):
+    404) before one is queued: both or neither target, a ``to_strategy`` outside the root, no
+    verified save of ``step``, and a split the derivation refuses or whose output would exceed the
+    bytes bound (:func:`_check_layout_bytes`). (A split's text was parsed at the edge.)"""
+    if (split is None) == (to_strategy is None):
         raise InvalidRequestError("give exactly one of to_layout / to_strategy")
-    if to_layout is not None:
-        from ckptd.convert.layouts import parse_layout_spec
-
-        parse_layout_spec(to_layout)  # the job's own parser: a bad layout is 400 now, not a failed job later
     if to_strategy not in (None, "none") and not runlayout.resolves_inside(root, to_strategy):
         raise InvalidRequestError("to_strategy must be a file inside the checkpoint root", hint="copy it under the run directory")
     ckpt, _, strat_row = check_source(s, run_name, step)
-    if to_layout is not None:
-        _check_layout_bytes(s, ckpt, strat_row, to_layout)
+    if split is not None:
+        _check_layout_bytes(s, ckpt, strat_row, split)
 
 
-def _check_layout_bytes(s: Session, ckpt: Checkpoint, strat_row: StrategyFile | None, to_layout: str) -> None:
+def _check_layout_bytes(s: Session, ckpt: Checkpoint, strat_row: StrategyFile | None, split: ParallelSplit) -> None:
     """The planner's bytes bound (:func:`ckptd.convert.plan.output_bytes_bound`) on a ``to_layout``
     target, estimated from the catalog: the step's verified file sizes and the strategy it was saved
     with (:func:`ckptd.convert.plan.least_output_bytes`). A Checkpoint 2.0 step's layout is in its
     files' ``metadata.json``, and a strategy row without content is a file to read: both are left to
     the job, whose planner applies the same bound exactly."""
-    from ckptd.convert import derive_strategy, parse_layout_spec
+    from ckptd.convert import derive_strategy
     from ckptd.convert.plan import check_output_bytes, least_output_bytes
 
     if strat_row is None or strat_row.content is None or runlayout.by_name(repo.run_layout(s, ckpt)).iterations:
@@ -96,11 +94,11 @@ def _check_layout_bytes(s: Session, ckpt: Checkpoint, strat_row: StrategyFile | 
     except CkptdError:
         return  # the job says what is wrong with the strategy it was saved with
     try:
-        dst = derive_strategy(src, **parse_layout_spec(to_layout))
+        dst = derive_strategy(src, split.tp, split.dp, split.pp)
         source_bytes = jobrows.verified_bytes(s, ckpt.id)
         check_output_bytes(least_output_bytes(source_bytes, src, dst), source_bytes, dst.world_size, estimated=True)
     except CkptdError as err:
-        raise InvalidRequestError(f"to_layout {to_layout.strip()!r}: {err.message}", hint=err.hint) from None
+        raise InvalidRequestError(f"to_layout {str(split)!r}: {err.message}", hint=err.hint) from None
 
 
 def _saves_of(s: Session, run: Run, step: int) -> list[Checkpoint]:
@@ -141,15 +139,50 @@ def _not_restorable(s: Session, run_name: str, step: int, saves: list[Checkpoint
     return f"step {step} of run {run_name!r} has {len(saves)} saves and none is verified: " + "; ".join(parts)
 
 
-def resolve_target(src: Strategy | None, to_strategy: str | None, to_layout: str | None, root: str) -> Strategy | None:
-    if (to_strategy is None) == (to_layout is None):
+@dataclass(frozen=True)
+class SplitTarget:
+    """What a step must be converted to for a job of a given split."""
+
+    needed: bool
+    hash: str | None = None  # the target strategy's content hash (what the copy is catalogued under)
+    impossible: str | None = None  # why no conversion can produce it
+
+
+def split_target(strategy: StrategyFile | None, world: int | None, split: ParallelSplit) -> SplitTarget:
+    """The conversion ``to_layout=<split>`` of a step saved with ``strategy`` (its catalogued row:
+    the content it was saved with, whatever the file holds now) over ``world`` ranks: not needed
+    when the derived strategy places every slice as the saved one does; a step without a strategy
+    is data parallel, usable as it is by a job of the same world size and by no other."""
+    from ckptd.convert import derive_strategy
+    from ckptd.convert.layouts import same_placement
+
+    if strategy is None or strategy.content is None:
+        if world is None or split.world == world:
+            return SplitTarget(False)
+        return SplitTarget(True, impossible=f"saved with world size {world} and ckptd has no strategy file for it, so "
+                                            f"it cannot be re-sharded for {split} (put the job's strategy file in the "
+                                            f"run directory, or launch with world size {world})")
+    try:
+        src = parse_strategy_bytes(strategy.content, strategy.path)
+        dst = derive_strategy(src, split.tp, split.dp, split.pp)
+    except CkptdError as err:
+        return SplitTarget(True, impossible=f"cannot be re-sharded for {split}: {err.message} "
+                                            f"({err.hint or 'convert it with ckptd convert --to-strategy'})")
+    if split.world == world and same_placement(src, dst):
+        return SplitTarget(False)
+    return SplitTarget(True, dst.content_hash())
+
+
+def resolve_target(src: Strategy | None, to_strategy: str | None, split: ParallelSplit | None,
+                   root: str) -> Strategy | None:
+    if (to_strategy is None) == (split is None):
         raise InvalidRequestError("give exactly one of to_strategy / to_layout")
-    if to_layout is not None:
-        from ckptd.convert import derive_strategy, parse_layout_spec
+    if split is not None:
+        from ckptd.convert import derive_strategy
 
         if src is None:
             raise InvalidRequestError("to_layout needs a source strategy file", hint="use to_strategy")
-        return derive_strategy(src, **parse_layout_spec(to_layout))
+        return derive_strategy(src, split.tp, split.dp, split.pp)
     return None if to_strategy == "none" else _load_strategy(root, to_strategy)
 
 
@@ -178,7 +211,7 @@ def convert_step(
     step: int,
     *,
     to_strategy: str | None = None,
-    to_layout: str | None = None,
+    split: ParallelSplit | None = None,
     out_dir: str | None = None,
     key: bytes | None = None,
     out_key: bytes | None = None,
@@ -213,7 +246,7 @@ def convert_step(
         else:  # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
             src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None \
                 else _load_strategy(root, src_path)
-        target = resolve_target(src_strategy, to_strategy, to_layout, root)
+        target = resolve_target(src_strategy, to_strategy, split, root)
         target_hash = target.content_hash() if target is not None else "none"
         out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
         node = node or repo.LOCAL.node
@@ -245,7 +278,8 @@ def convert_step(
             conv_id = row.id
             job_id = jobs.current_job()
             if job_id is None:
-                params = {"run": run_name, "step": step, "to_strategy": to_strategy, "to_layout": to_layout, "out_dir": out}
+                params = {"run": run_name, "step": step, "to_strategy": to_strategy,
+                          "to_layout": str(split) if split is not None else None, "out_dir": out}
                 job_id = own_job = jobs.record_job(s, "convert", meta[0], params, jobs.process_owner(node),
                                                  state="running").id
             jobs.link_conversion(s, job_id, conv_id)  # with the row: never a conversion without its owner

@@ -30,6 +30,7 @@ from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
 from ckptd.service import tracker
 from ckptd.catalog.reads import shards_step_column
 from ckptd.service.catalog import get_run
+from ckptd.split import ParallelSplit
 from ckptd.states import ShardState
 
 RESUME_LEASE = timedelta(minutes=30)
@@ -53,6 +54,9 @@ class ResumeOptions:
     # skip steps with a shard on a node whose daemon is silent (the launcher's choice after a node loss)
     exclude_unreachable: bool = False
     node_timeout: float = 120.0
+    #: the job's tp/dp/pp split: ckptd derives the strategy its conversion of the answered step would
+    #: have and says whether one is needed and whether a copy is ready (the launcher derives nothing)
+    split: ParallelSplit | None = None
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
@@ -153,6 +157,9 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     }
     if layout.iterations:
         return _iteration_answer(answer, run.path, ckpt, rows, steps, s)
+    if opts.split is not None:
+        answer["conversion"] = _split_conversion(s, ckpt, strategy, opts.split, os.path.dirname(run.path))
+        return answer
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
     if other_world or other_layout:
@@ -248,6 +255,24 @@ def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, r
     return answer
 
 
+def _split_conversion(s: Session, ckpt: Checkpoint, strategy: StrategyFile | None, split: ParallelSplit,
+                      root: str) -> dict[str, Any] | None:
+    """The ``conversion`` block for a job of ``split``: None when the step is already in it; else
+    the target's strategy hash (what ``to_layout=<split>`` derives from the strategy the step was
+    saved with, as catalogued), the ready copy of exactly that layout if any, or why none can be
+    made (``impossible``)."""
+    from ckptd.service.conversions import split_target
+
+    target = split_target(strategy, ckpt.expected_ranks, split)
+    if not target.needed:
+        return None
+    if target.impossible is not None:
+        return {"needed": True, "from_world_size": ckpt.expected_ranks, "to_world_size": split.world,
+                "existing": None, "target_strategy_hash": None, "impossible": target.impossible,
+                "hint": "convert it with ckptd convert --to-strategy FILE, or launch in the saved split"}
+    return _conversion_info(s, ckpt, split.world, target.hash, root)
+
+
 def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None,
                      root: str) -> dict[str, Any]:
     """Another target layout needs the checkpoint re-sharded; point at a ready copy if any — of
@@ -276,6 +301,8 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
         "from_world_size": ckpt.expected_ranks,
         "to_world_size": world_size if world_size is not None else (copies[0].expected_ranks if copies else None),
         "existing": existing,
+        "target_strategy_hash": strategy_hash,  # the layout asked for (by hash, or derived from a split)
+        "impossible": None,
         "hint": None if existing else ("POST /v1/runs/{run}/conversions {\"step\": S, \"to_layout\": \"tp=..,dp=..\"} "
                                         "or `ckptd convert --run R --step S --to-layout tp=..,dp=..`"),
     }

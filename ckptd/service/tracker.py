@@ -20,7 +20,7 @@ from typing import Any
 from ckptd import confine, runlayout
 from ckptd.errors import CkptdError
 from ckptd.format import mf2
-from ckptd.format.atomic import atomic_write
+from ckptd.atomic import atomic_write
 
 TRACKER_MODE = 0o640  # what MindFormers leaves
 
