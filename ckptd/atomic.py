@@ -15,14 +15,6 @@ from ckptd import confine
 TMP_SUFFIX = ".ckptd-tmp"
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = False, mode: int = 0o644,
                  dir_fd: int | None = None) -> Iterator[BinaryIO]:

@@ -72,16 +72,16 @@ def test_api_conversion_is_catalogued_and_served_for_the_target_world_size(ms, r
         bad = c.post("/v1/runs/run1/conversions", json={"step": 100, "to_layout": "tp=1; rm -rf /"})  # the job's parser: 400
         assert bad.status_code == 400 and "bad to_layout item" in bad.json()["detail"]["message"], bad.text
         # asked with the job's split, ckptd derives the target itself (the launcher derives nothing)
-        same = c.get("/v1/runs/run1/resume", params={"layout": "tp=2,dp=1", "lease": False}).json()
+        same = c.get("/v1/runs/run1/resume", params={"split": "tp=2,dp=1", "lease": False}).json()
         assert same["step"] == 200 and same["conversion"] is None  # saved in that split: use it as it is
-        other = c.get("/v1/runs/run1/resume", params={"layout": "tp=1,dp=1", "max_step": 150, "lease": False}).json()
+        other = c.get("/v1/runs/run1/resume", params={"split": "tp=1,dp=1", "max_step": 150, "lease": False}).json()
         conv = other["conversion"]
         assert conv["needed"] and conv["impossible"] is None and conv["to_world_size"] == 1
         assert conv["target_strategy_hash"].startswith("sha256:") and conv["existing"] is None  # the copy is "none"'s
-        stages = c.get("/v1/runs/run1/resume", params={"layout": "tp=2,dp=1,pp=2", "lease": False}).json()
+        stages = c.get("/v1/runs/run1/resume", params={"split": "tp=2,dp=1,pp=2", "lease": False}).json()
         assert stages["conversion"]["needed"] and "pp" in stages["conversion"]["impossible"], stages["conversion"]
-        bad = c.get("/v1/runs/run1/resume", params={"layout": "tp=1"})
-        assert bad.status_code == 400 and "layout needs dp=N" in bad.json()["detail"]["message"], bad.text
+        bad = c.get("/v1/runs/run1/resume", params={"split": "tp=1"})
+        assert bad.status_code == 400 and "split needs dp=N" in bad.json()["detail"]["message"], bad.text
         # retention deleting the source step removes its converted copy with it
         gc = c.post("/v1/runs/run1/gc", json={"keep_last": 1, "dry_run": False}).json()
         assert gc.get("deleted_steps") == 1, gc and not os.path.exists(copy_dir)

@@ -27,9 +27,9 @@ def test_a_split_parses_to_its_value_and_prints_back(text, split, world):
     ("tp=2,tp=3,dp=1", "--to-layout", "--to-layout sets tp twice"),
     ("tp=0,dp=1", "--to-layout", "bad --to-layout item 'tp=0'"),
     ("tp=-1,dp=1", "--to-layout", "bad --to-layout item 'tp=-1'"),
-    ("tp=1,dp=99999999999", "layout", "layout dp=99999999999...: more than 1048576 ranks"),
-    ("tp=2,dp=1048576", "layout", "is 2097152 ranks: more than 1048576 ranks"),
-    ("", "layout", "bad layout item ''"),
+    ("tp=1,dp=99999999999", "split", "split dp=99999999999...: more than 1048576 ranks"),
+    ("tp=2,dp=1048576", "split", "is 2097152 ranks: more than 1048576 ranks"),
+    ("", "split", "bad split item ''"),
 ])
 def test_a_bad_split_is_refused_naming_the_option(text, what, message):
     with pytest.raises(SplitError, match=None) as err:

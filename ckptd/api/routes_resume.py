@@ -51,16 +51,16 @@ async def get_resume(
     ),
     exclude_unreachable: bool = Query(
         default=False, description="pass over steps with a shard on a node whose daemon is silent (after a node loss)"),
-    layout: str | None = Query(
+    split: str | None = Query(
         default=None, max_length=100,
         description="the job's split tp=..,dp=..[,pp=..]: 'conversion' says whether the step must be re-sharded for "
                     "it, to which strategy hash (derived from the strategy the step was saved with), and the ready "
                     "copy of exactly that layout"),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
-    split = parse_split(layout, "layout") if layout is not None else None
     opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash,
-                         exclude_unreachable, request.app.state.settings.node_timeout, split)
+                         exclude_unreachable, request.app.state.settings.node_timeout,
+                         parse_split(split, "split") if split is not None else None)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is

@@ -78,9 +78,9 @@ class ConversionInfo(BaseModel):
     to_world_size: int | None = Field(description="null when only a strategy_hash was asked for and no copy exists")
     existing: dict[str, Any] | None = Field(description="a ready converted copy: {shards, strategy_file}, or null")
     hint: str | None = None
-    target_strategy_hash: str | None = Field(default=None, description="asked with layout=: the strategy hash of the "
+    target_strategy_hash: str | None = Field(default=None, description="asked with split=: the strategy hash of the "
                                                                        "copy this split needs (its conversion's target)")
-    impossible: str | None = Field(default=None, description="asked with layout=: why no conversion can make it")
+    impossible: str | None = Field(default=None, description="asked with split=: why no conversion can make it")
 
 
 class ResumeAnswer(BaseModel):

@@ -94,7 +94,7 @@ def rank_states(s: Session, ckpt_id: int) -> dict[int, str]:
 def verified_copy(s: Session, src_id: int, target_hash: str) -> Checkpoint | None:
     """The verified converted copy of step ``src_id`` into the layout ``target_hash``."""
     return s.execute(select(Checkpoint).where(
-        Checkpoint.derived_from_id == src_id, Checkpoint.kind == "converted", Checkpoint.layout == target_hash,
+        Checkpoint.derived_from_id == src_id, Checkpoint.kind == "converted", Checkpoint.strategy_hash == target_hash,
         Checkpoint.state == StepState.VERIFIED.value)).scalars().first()
 
 
@@ -133,7 +133,7 @@ def copy_row(s: Session, run_id: int, prefix: str, epoch: int, step: int, target
     """The converted copy (any state) of the step (prefix, epoch, step) into ``target_hash``;
     ``lock``: locked until commit."""
     q = select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.prefix == prefix, Checkpoint.epoch == epoch,
-                                 Checkpoint.step == step, Checkpoint.kind == "converted", Checkpoint.layout == target_hash)
+                                 Checkpoint.step == step, Checkpoint.kind == "converted", Checkpoint.strategy_hash == target_hash)
     return s.execute(repo.for_update(q, s) if lock else q).scalars().first()
 
 

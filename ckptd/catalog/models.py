@@ -97,7 +97,9 @@ class Checkpoint(Base):
     # trained | breakpoint | converted | superseded (history: shards an older layout left, see ckptd.states)
     kind: Mapped[str] = mapped_column(String(16), default="trained")
     # converted copies: the target strategy hash; superseded history: the old one
-    layout: Mapped[str] = mapped_column(String(80), default="")
+    #: the strategy hash a copy is in ("" for saved steps: their strategy is ``strategy_id``'s); the
+    #: column keeps its historic name ``layout`` -- "layout" in ckptd's names is a run's directory shape
+    strategy_hash: Mapped[str] = mapped_column("layout", String(80), default="")
     global_step: Mapped[int | None] = mapped_column(BigInteger)  # from the files' content once verified
     # which restart of the job wrote it (the ``_k`` of MindSpore's renamed prefix, 0 for the first;
     # ckptd.runnames.parse_shard_name); NULL = names don't say (breakpoint saves, converted copies)

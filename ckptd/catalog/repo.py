@@ -93,7 +93,7 @@ def get_or_create_checkpoint(
             Checkpoint.epoch == epoch,
             Checkpoint.step == step,
             Checkpoint.kind == kind,
-            Checkpoint.layout == "",
+            Checkpoint.strategy_hash == "",
         )
     ).scalar_one()
 

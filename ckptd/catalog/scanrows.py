@@ -83,19 +83,6 @@ def steps_of_kinds(s: Session, run_id: int, kinds: Iterable[str]) -> list[Checkp
         Checkpoint.run_id == run_id, Checkpoint.kind.in_(tuple(kinds)))).scalars())
 
 
-def live_shard_ids(s: Session, run_name: str, step: int | None = None) -> list[int]:
-    """Ids of the run's (or its file-name ``step``'s) shard rows that are part of a step."""
-    q = (
-        select(Shard.id)
-        .join(Checkpoint, Shard.checkpoint_id == Checkpoint.id)
-        .join(Run, Checkpoint.run_id == Run.id)
-        .where(Run.name == run_name, Shard.state.notin_(_NOT_IN_A_STEP))
-    )
-    if step is not None:
-        q = q.where(Checkpoint.step == step)
-    return list(s.execute(q).scalars())
-
-
 # --- replaced files ----------------------------------------------------------------------------
 
 

@@ -76,7 +76,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         spec = LaunchSpec(
             command=command, run_dir=run_dir, world=world, run_name=run_name, ckptd_url=args.ckptd_url,
             resume_cmd=args.resume_cmd, resume_args=args.resume_args or PRESETS.get(args.resume_preset or ""),
-            resume_env=args.resume_env, fresh=args.fresh, allow_fresh_start=args.allow_fresh_start, layout=layout, convert_timeout=args.convert_timeout,
+            resume_env=args.resume_env, fresh=args.fresh, allow_fresh_start=args.allow_fresh_start, split=layout, convert_timeout=args.convert_timeout,
             settle_timeout=args.settle_timeout,
             oracle_wait=args.oracle_wait, oracle_backoff=args.oracle_backoff,
             oracle_backoff_max=args.oracle_backoff_max, exclude_unreachable=args.exclude_unreachable,

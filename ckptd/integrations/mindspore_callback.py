@@ -287,8 +287,8 @@ class CkptdCallback(Callback):
                     mine_dir = runlayout.shard_dir(self.run_dir, self.rank)
                     raise _refuse(f"ModelCheckpoint writes into {directory}, not {mine_dir}: ckptd would never "
                                   f"find rank {self.rank}'s saves of this run",
-                                  f"pass directory=os.path.join(run_dir, f\"rank_{{rank}}\") to ModelCheckpoint, "
-                                  f"run_dir being ckptd launch's --run-dir")
+                                  "pass directory=os.path.join(run_dir, f\"rank_{rank}\") to ModelCheckpoint, "
+                                  "run_dir being ckptd launch's --run-dir")
             if config.integrated_save:
                 # under model parallelism every rank's file would hold the gathered whole tensors, not its
                 # shard: neither loadable as this rank's shard nor re-shardable. Under data parallelism it

@@ -43,8 +43,9 @@ class LaunchSpec:
     fresh: bool = False
     #: ``--allow-fresh-start``: train from step 0 even over saves the oracle cannot see
     allow_fresh_start: bool = False
-    #: the job's declared layout: elastic restarts from a re-sharded copy (None: refuse another world size)
-    layout: ParallelSplit | None = None
+    #: the job's declared split (``--layout``): elastic restarts from a re-sharded copy (None: refuse
+    #: another world size)
+    split: ParallelSplit | None = None
     convert_timeout: float = 300.0
     settle_timeout: float = 60.0
     oracle_wait: float = 120.0
@@ -149,12 +150,12 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
         # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
         answer = ask_ckptd_once(url, spec.run_name, spec.world, spec.settle_timeout, timeout, log,
-                                attempt, spec.exclude_unreachable, spec.layout)
+                                attempt, spec.exclude_unreachable, spec.split)
         unreachable = (answer.body or {}).get("unreachable_nodes")
         if unreachable:  # the job would load shards from a node whose daemon is silent: say so
             log(attempt=attempt, event="warning", step=answer.step, unreachable_nodes=",".join(unreachable),
                 reason="the answer depends on unreachable node(s); --exclude-unreachable skips such steps")
-        if spec.layout is None:
+        if spec.split is None:
             refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
                                              "a copy ckptd re-shards for it")
             return answer
@@ -163,9 +164,9 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
 
         def reask(step: int) -> ResumeAnswer:
             return ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world,
-                            exclude_unreachable=spec.exclude_unreachable, split=spec.layout, max_step=step)
+                            exclude_unreachable=spec.exclude_unreachable, split=spec.split, max_step=step)
 
-        return elastic.resume_converted(url, spec.run_name, spec.layout, None, answer, spec.convert_timeout,
+        return elastic.resume_converted(url, spec.run_name, spec.split, None, answer, spec.convert_timeout,
                                         lambda **f: log(attempt=attempt, **f), reask)
 
     return ask_patiently(once, spec.oracle_wait, spec.oracle_backoff, spec.oracle_backoff_max, log, attempt)
@@ -187,7 +188,7 @@ def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: Resum
         env.update(extra_env)
         env["CKPTD_RESUME_FILE"] = resume_file
     job = Job(cmd, env, spec.world, hb_dir, log_dir, spec.watch)
-    fields = {"world": spec.world, "layout": spec.layout} if spec.layout else {"world": spec.world}
+    fields = {"world": spec.world, "layout": spec.split} if spec.split else {"world": spec.world}
     fields.update(pid=job.proc.pid, logs=log_dir)
     if msrun_logs:
         fields["msrun_logs"] = msrun_logs

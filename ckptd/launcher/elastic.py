@@ -4,7 +4,7 @@ Shared by ``ckptd launch --layout`` (:mod:`ckptd.launcher.command`) and ckptd's 
 (``trainer.launch`` via ``trainer.elastic``). The newest restorable step can be in another split
 than the relaunched job: another world size (a node lost, nodes added), or the same world size
 split otherwise (tp=2,dp=2 -> tp=4,dp=1). ckptd knows which: asked with the job's split
-(``?layout=tp=..,dp=..``), its answer's ``conversion`` block says whether the step must be
+(``?split=tp=..,dp=..``), its answer's ``conversion`` block says whether the step must be
 re-sharded, to which strategy hash (derived from the strategy the step was saved with, as ckptd
 catalogued it), and where a ready copy of exactly that layout is; the trainer, which knows the
 hash of the strategy it will write, asks with ``?strategy_hash=`` instead.

@@ -135,7 +135,7 @@ def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: 
     if exclude_unreachable:
         params["exclude_unreachable"] = "true"
     if split is not None:
-        params["layout"] = str(split)
+        params["split"] = str(split)
     if strategy_hash is not None:
         params["strategy_hash"] = strategy_hash
     if max_step is not None:

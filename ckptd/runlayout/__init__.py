@@ -54,7 +54,6 @@ from ckptd.runlayout.base import (  # noqa: F401  (re-exported: callers use runl
     TrackerName,
     converted_strategy_path,
     is_in_flight,
-    is_strategy_name,
     rank_strategies_dir,
     rank_strategy_path,
     relative_parts,

@@ -255,10 +255,6 @@ def strategy_name(parts: list[str]) -> StrategyName | None:
     return None
 
 
-def is_strategy_name(parts: list[str]) -> bool:
-    return strategy_name(parts) is not None
-
-
 def rank_strategy_path(run_path: str, rank: int) -> str:
     """MindFormers' per-rank strategy file (``strategy/ckpt_strategy_rank_<r>.ckpt``)."""
     return os.path.join(run_path, STRATEGY_DIR, MF_STRATEGY_TEMPLATE.format(rank=rank))

@@ -207,10 +207,3 @@ def health_rows(s: Session, run_id: int) -> list[tuple[int, float | None, float 
     """Every reported step's (step, loss, grad_norm, overflow), NaN/inf restored."""
     rows = reads.health_values(s, run_id)
     return [(step, float(lnf) if lnf else loss, float(gnf) if gnf else gn, ov) for step, loss, lnf, gn, gnf, ov in rows]
-
-
-def json_float(x: float | None) -> float | str | None:
-    """JSON has no NaN/inf: render them as strings so clients see them, not a parse error."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)

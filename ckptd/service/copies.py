@@ -127,7 +127,7 @@ def register(sessions: sessionmaker[Session], meta: tuple, src_id: int, target: 
                 raise InvalidRequestError(why)
             replaced = ckpt.state
         else:
-            ckpt = Checkpoint(run_id=run_id, prefix=prefix, epoch=epoch, step=step, kind="converted", layout=target_hash,
+            ckpt = Checkpoint(run_id=run_id, prefix=prefix, epoch=epoch, step=step, kind="converted", strategy_hash=target_hash,
                               pinned=False, marked_bad=False, created_at=now)
             s.add(ckpt)
         ckpt.global_step, ckpt.state, ckpt.reason = global_step, StepState.VERIFIED.value, None

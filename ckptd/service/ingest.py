@@ -458,12 +458,6 @@ class Ingestor:
         # rank directories holding a shard: an empty (or planted) rank_<n>/ is not a rank of the job
         return sum(1 for d in runlayout.rank_dirs(run.path).values() if _holds_a_shard(d)) or None
 
-    # --- on demand -----------------------------------------------------------------------------
-
-    def shards_to_reverify(self, run: str, step: int | None = None) -> list[int]:
-        with self.sessions() as s:
-            return scanrows.live_shard_ids(s, run, step)
-
 
 def _holds_a_shard(directory: str) -> bool:
     try:

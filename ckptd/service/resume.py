@@ -283,7 +283,7 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
     q = select(Checkpoint).where(
         Checkpoint.derived_from_id == ckpt.id, Checkpoint.kind == "converted", Checkpoint.state == "verified")
     if strategy_hash is not None:
-        q = q.where(Checkpoint.layout == strategy_hash)
+        q = q.where(Checkpoint.strategy_hash == strategy_hash)
     if world_size is not None:
         q = q.where(Checkpoint.expected_ranks == world_size)
     copies = s.execute(q.order_by(Checkpoint.id.desc())).scalars().all()
@@ -295,7 +295,7 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
         strat = s.get(StrategyFile, copy.strategy_id) if copy.strategy_id else None
         served = strat.path if strat and _servable(root, strat.path) else None
         existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": served,
-                    "strategy_hash": copy.layout}
+                    "strategy_hash": copy.strategy_hash}
     return {
         "needed": True,
         "from_world_size": ckpt.expected_ranks,
