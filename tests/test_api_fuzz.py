@@ -36,8 +36,10 @@ EXAMPLES = int(os.environ.get("CKPTD_FUZZ_EXAMPLES", "6"))
 
 #: Refusals the schema cannot express, answered 400 on purpose (schemathesis calls them "rejected
 #: positive data"): a conversion's strategy file must lie inside the checkpoint root, its source
-#: step must be restorable -- facts of the server's disk and catalog, not of the request's shape.
-SEMANTIC_400 = {("POST", "/v1/runs/{run}/conversions")}
+#: step must be restorable -- facts of the server's disk and catalog, not of the request's shape;
+#: the resume route's ``split`` matches its pattern yet asks for more ranks than any job has
+#: (tp x dp x pp over the world bound: a product, which a schema cannot express).
+SEMANTIC_400 = {("POST", "/v1/runs/{run}/conversions"), ("GET", "/v1/runs/{run}/resume")}
 
 _CASES: list = []  # generated once per session, replayed against every server and token
 

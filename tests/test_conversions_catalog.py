@@ -80,8 +80,9 @@ def test_api_conversion_is_catalogued_and_served_for_the_target_world_size(ms, r
         assert conv["target_strategy_hash"].startswith("sha256:") and conv["existing"] is None  # the copy is "none"'s
         stages = c.get("/v1/runs/run1/resume", params={"split": "tp=2,dp=1,pp=2", "lease": False}).json()
         assert stages["conversion"]["needed"] and "pp" in stages["conversion"]["impossible"], stages["conversion"]
-        bad = c.get("/v1/runs/run1/resume", params={"split": "tp=1"})
-        assert bad.status_code == 400 and "split needs dp=N" in bad.json()["detail"]["message"], bad.text
+        assert c.get("/v1/runs/run1/resume", params={"split": "tp=1"}).status_code == 422  # not the grammar
+        bad = c.get("/v1/runs/run1/resume", params={"split": "tp=1024,dp=2048"})
+        assert bad.status_code == 400 and "more than 1048576 ranks" in bad.json()["detail"]["message"], bad.text
         # retention deleting the source step removes its converted copy with it
         gc = c.post("/v1/runs/run1/gc", json={"keep_last": 1, "dry_run": False}).json()
         assert gc.get("deleted_steps") == 1, gc and not os.path.exists(copy_dir)

@@ -52,7 +52,7 @@ async def get_resume(
     exclude_unreachable: bool = Query(
         default=False, description="pass over steps with a shard on a node whose daemon is silent (after a node loss)"),
     split: str | None = Query(
-        default=None, max_length=100,
+        default=None, max_length=40, pattern=r"^tp=[1-9][0-9]{0,6},dp=[1-9][0-9]{0,6}(,pp=[1-9][0-9]{0,6})?$",
         description="the job's split tp=..,dp=..[,pp=..]: 'conversion' says whether the step must be re-sharded for "
                     "it, to which strategy hash (derived from the strategy the step was saved with), and the ready "
                     "copy of exactly that layout"),
