@@ -38,39 +38,24 @@ tensors, slices and storage records. Needs MindSpore and MindFormers 2.1.0 (the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import types
 
 LAYERS, HIDDEN, FFN, VOCAB, KV_HEADS, HEAD_DIM = 80, 8192, 28672, 32000, 8, 128
-STUB_PACKAGES = ("mindformers", "mindformers.core", "mindformers.trainer", "mindformers.models")
 PREFIX = "llama2_70b"
 
 
 def _stub_import() -> None:
-    """Pre-register the heavy MindFormers packages as empty ones (their ``__init__`` not run)."""
-    spec = importlib.util.find_spec("mindformers")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("mindformers is not installed (pip install --no-deps mindformers==2.1.0)")
-    site = os.path.dirname(next(iter(spec.submodule_search_locations)))
-    for name in STUB_PACKAGES:
-        pkg_dir = os.path.join(site, *name.split("."))
-        mod = types.ModuleType(name)
-        mod.__path__ = [pkg_dir]
-        mod.__file__ = os.path.join(pkg_dir, "__init__.py")
-        mod.__package__ = name
-        mspec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
-        mspec.submodule_search_locations = [pkg_dir]
-        mod.__spec__ = mspec
-        if name == "mindformers":
-            mod.__version__ = "2.1.0"
-        sys.modules[name] = mod
-    import mindformers.tools  # noqa: F401  (first: avoids the tools.register <-> core.context cycle)
+    """Pre-register the heavy MindFormers packages as empty ones (their ``__init__`` not run): the
+    tests' own helper (one copy of the trick)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.mf_stub import stub_import
+
+    stub_import()
 
 
 def model_params() -> list[tuple[str, str, tuple[int, ...], int]]:

@@ -69,7 +69,7 @@ def run(request: dict, work_dir: Path | None = None, timeout: float = 180.0) -> 
 # child side
 
 
-def _stub_import() -> None:
+def stub_import() -> None:
     """Pre-register STUB_PACKAGES as empty packages (correct ``__path__``, ``__init__`` not executed)."""
     spec = importlib.util.find_spec("mindformers")
     if spec is None or not spec.submodule_search_locations:
@@ -298,7 +298,7 @@ def main(argv: list[str]) -> int:
     req_path, res_path = argv[1], argv[2]
     with open(req_path, encoding="utf-8") as fh:
         req = json.load(fh)
-    _stub_import()
+    stub_import()
     ops_ = {"train": _op_train, "resume": _op_resume, "ckpt2_save": _op_ckpt2_save,
             "ckpt2_metadata": _op_ckpt2_metadata, "checkpoint_path": _op_checkpoint_path}
     result = ops_[req["op"]](req)
