@@ -88,7 +88,7 @@ def _history_row(session: Session, ckpt: Checkpoint, old: StrategyRow, reason: s
         "global_step": ckpt.global_step, "reason": reason, "pinned": False, "marked_bad": False,
         "created_at": now, "updated_at": now,
     }, list(key))
-    q = select(Checkpoint).where(*(getattr(Checkpoint, k) == v for k, v in key.items()))
+    q = select(Checkpoint).where(*(Checkpoint.__table__.c[k] == v for k, v in key.items()))  # column names
     return session.execute(for_update(q, session)).scalar_one()
 
 
