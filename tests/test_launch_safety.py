@@ -251,6 +251,7 @@ def test_a_resume_without_restore_or_its_initial_epoch_is_refused(ms, as_launche
     answer = as_launched / "resume.json"
     answer.write_text(json.dumps({"global_step": 2, "shards": [{"rank": 0, "path": str(rank_dir / "net-1_2.ckpt")}]}))
     monkeypatch.setenv("CKPTD_RESUME_FILE", str(answer))
+    monkeypatch.setenv("CKPTD_RESUME_BY", "restore")  # no --resume-args: only restore() would resume it
     with pytest.raises(RuntimeError, match=r"^CkptdCallback: the launcher resumes this run \(\$CKPTD_RESUME_FILE\) "
                                            r"but restore\(\) was not called: .*; call initial_epoch = "
                                            r"ckptd_cb.restore\(dataset, net, optimizer\) before Model.train"):
@@ -262,3 +263,8 @@ def test_a_resume_without_restore_or_its_initial_epoch_is_refused(ms, as_launche
     train_tiny(ms, as_launched, epochs=2, restore=True)  # steps 3 and 4, epoch 2's
     assert sorted(p.name for p in rank_dir.glob("*.ckpt")) == ["net-1_1.ckpt", "net-1_2.ckpt", "net_1-2_1.ckpt",
                                                                 "net_1-2_2.ckpt"]
+    # MindFormers' way (--resume-args / --resume-preset mindformers): the job's own arguments load the
+    # checkpoint, restore() is not the job's to call, and nothing is refused
+    monkeypatch.setenv("CKPTD_RESUME_BY", "args")
+    train_tiny(ms, as_launched, epochs=1)
+    assert len(list(rank_dir.glob("*.ckpt"))) == 6

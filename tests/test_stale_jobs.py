@@ -334,7 +334,7 @@ def _conversion(sessions, out_dir: str, owner: dict | None, *, age: timedelta = 
         run = s.query(Run).filter_by(name="run1").one()
         now = datetime.now(timezone.utc)
         step = 1 + s.query(Checkpoint).count()
-        ckpt = Checkpoint(run_id=run.id, prefix="net", epoch=1, step=step, kind="trained", layout="",
+        ckpt = Checkpoint(run_id=run.id, prefix="net", epoch=1, step=step, kind="trained", strategy_hash="",
                           state="verified", expected_ranks=1, pinned=False, marked_bad=False,
                           lease_until=now + timedelta(hours=2))
         s.add(ckpt)

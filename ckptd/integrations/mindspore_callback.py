@@ -244,7 +244,10 @@ class CkptdCallback(Callback):
                                "commits and exact resume need per-step callbacks; pass dataset_sink_mode=False "
                                "to Model.train")
         self._check_rank()
-        if os.environ.get("CKPTD_RESUME_FILE") and self.resumed_from is None:
+        # only when nothing else loads the checkpoint: with --resume-args / --resume-env (MindFormers'
+        # load_checkpoint + resume_training) the job's own code resumes and restore() is not called
+        if os.environ.get("CKPTD_RESUME_FILE") and os.environ.get("CKPTD_RESUME_BY") == "restore" \
+                and self.resumed_from is None:
             raise _refuse("the launcher resumes this run ($CKPTD_RESUME_FILE) but restore() was not called: it "
                           "would train from step 0", "call initial_epoch = ckptd_cb.restore(dataset, net, optimizer) "
                           "before Model.train and pass initial_epoch=initial_epoch to it")

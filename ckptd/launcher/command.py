@@ -187,6 +187,9 @@ def start(spec: LaunchSpec, attempt: int, resume_file: str | None, answer: Resum
         cmd += extra_args
         env.update(extra_env)
         env["CKPTD_RESUME_FILE"] = resume_file
+        # who loads the checkpoint: the job's own arguments (--resume-args / --resume-env, e.g.
+        # MindFormers' load_checkpoint + resume_training) or the callback's restore()
+        env["CKPTD_RESUME_BY"] = "args" if arg_templates or env_templates else "restore"
     job = Job(cmd, env, spec.world, hb_dir, log_dir, spec.watch)
     fields = {"world": spec.world, "layout": spec.split} if spec.split else {"world": spec.world}
     fields.update(pid=job.proc.pid, logs=log_dir)

@@ -44,7 +44,7 @@ from ckptd.launcher.oracle import (
 from ckptd.split import ParallelSplit
 
 #: variables a previous launcher (or the user's shell) may have left: an attempt sees only its own
-JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE")
+JOB_ENV = ("CKPTD_HEARTBEAT_DIR", "CKPTD_ATTEMPT", "CKPTD_RUN_NAME", "CKPTD_RESUME_FILE", "CKPTD_RESUME_BY")
 
 #: how long to wait for msrun to log the exit code of a worker found dead
 REAP_WAIT = 5.0
