@@ -334,3 +334,27 @@ def test_fallback_scan_never_hands_over_a_save_of_another_layout(ref, tmp_path):
     assert "event=oracle-fallback" in log and "event=oracle_error" in log
     assert "shard of tp=2,dp=1, this job is rank 0 of tp=1,dp=2; only ckptd can re-shard it" in log
     assert "event=started" not in log
+
+
+def test_an_answer_that_does_not_echo_the_split_is_never_used_for_one(canned, tmp_path):
+    """A ckptd older than the launcher ignores ``?split=`` and calls a step of the same world size
+    but another tp/dp split fine as it is: the launcher refuses the answer rather than hand the job
+    shards of another layout; the same answer echoing the split is used."""
+    import json
+
+    from ckptd.launcher.command import LaunchSpec, ask
+    from ckptd.launcher.oracle import ConversionError
+    from ckptd.launcher.supervise import Log
+    from ckptd.split import ParallelSplit
+
+    body = {"run": "r", "step": 6, "world_size": 2, "strategy_hash": "sha256:" + "0" * 64, "conversion": None,
+            "shards": [{"rank": 0, "path": "/ckpt/rank_0/net-1_6.ckpt"}, {"rank": 1, "path": "/ckpt/rank_1/net-1_6.ckpt"}]}
+    for echoed in (None, "tp=1,dp=2"):
+        url = canned(200, json.dumps(body | ({"split": echoed} if echoed else {})).encode())
+        spec = LaunchSpec(["true"], str(tmp_path), 2, "r", ckptd_url=url, split=ParallelSplit(1, 2), settle_timeout=0,
+                          oracle_wait=0)
+        if echoed is None:
+            with pytest.raises(ConversionError, match=r"did not answer for the split tp=1,dp=2 \(it is older"):
+                ask(spec, 0, Log(str(tmp_path / "launcher.log")))
+        else:
+            assert ask(spec, 0, Log(str(tmp_path / "launcher.log"))).step == 6

@@ -104,7 +104,9 @@ class ResumeAnswer(BaseModel):
                                                      "files were verified but cannot be seen now (exclude_unreachable=true "
                                                      "answers the newest step without them)")
     skipped: list[Skipped] = Field(description="newer steps that were passed over, newest first, with why")
-    conversion: ConversionInfo | None = Field(description="set when a target world size was asked and differs")
+    split: str | None = Field(default=None, description="the split asked (?split=), echoed; null when none was")
+    conversion: ConversionInfo | None = Field(description="set when a target world size, strategy hash or split "
+                                                          "was asked and the step is not in it")
     mindformers: MindFormersResume | None = Field(description="MindFormers runs: what its own resume needs to load "
                                                               "exactly this step")
 

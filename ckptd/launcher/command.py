@@ -159,6 +159,11 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
             refuse_other_world(spec, answer, "declare the job's layout (--layout tp=..,dp=..) to resume from "
                                              "a copy ckptd re-shards for it")
             return answer
+        if answer.step is not None and (answer.body or {}).get("split") != str(spec.split):
+            # a ckptd older than this launcher ignores ?split= and would call a step of the same world
+            # size but another tp/dp split fine as it is: never hand the job such shards
+            raise ConversionError(f"ckptd at {url} did not answer for the split {spec.split} (it is older than this "
+                                  f"launcher): upgrade ckptd serve, or launch without --layout in the saved split")
         if answer.step is None or not (answer.conversion or {}).get("needed"):
             return answer  # ckptd says the step is in the job's split already (or there is none)
 

@@ -152,6 +152,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
+        "split": str(opts.split) if opts.split is not None else None,  # echoed: the question was understood
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
