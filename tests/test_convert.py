@@ -32,6 +32,7 @@ from test_convert_helpers import (
 
 from ckptd.cli.convert_cmd import main as cli_main
 from ckptd.convert import ConvertError, convert, plan_from_dir
+from ckptd.convert.execute import undo_commit
 from ckptd.convert.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
@@ -242,8 +243,20 @@ def test_a_written_set_is_committed_by_its_manifest(ms, tmp_path):
     assert manifest.encrypted and [f.path for f in manifest.files if f.rank is None] == ["strategy.ckpt"]
     assert sorted(first.created) == ["rank_0", "rank_1", "strategy.ckpt"]
     assert {r.rank: r.digest for r in first.ranks} == {r: f.xxh3_128 for r, f in manifest.rank_files().items()}
+    first_record = (tmp_path / "enc" / MANIFEST_NAME).read_bytes()
     later = convert(tmp_path / "src", sa, sb, tmp_path / "enc", out_key=key, ranks=[2, 3], strategy_file=target)
     assert sorted(later.created) == ["rank_2", "rank_3"]  # the strategy file was there, the same bytes
+    assert later.earlier_manifest == first_record
+    _manifest_true(tmp_path / "enc", [0, 1, 2, 3])
+    # a set taken back (its caller could not catalogue it) puts the earlier set's record back, first
+    out_fd = os.open(tmp_path / "enc", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        undo_commit(out_fd, later.created, later.earlier_manifest)
+    finally:
+        os.close(out_fd)
+    assert (tmp_path / "enc" / MANIFEST_NAME).read_bytes() == first_record
+    _manifest_true(tmp_path / "enc", [0, 1])
+    convert(tmp_path / "src", sa, sb, tmp_path / "enc", out_key=key, ranks=[2, 3], strategy_file=target)
     _manifest_true(tmp_path / "enc", [0, 1, 2, 3])
     _check_against_truth(tmp_path / "enc", dst, full, key=key)
     names = [n for n in SHAPES if n != "w2"]  # no BFloat16 in safetensors (see test_safetensors_in_and_out)

@@ -71,7 +71,7 @@ from ckptd.format.strategy import Strategy
 __all__ = [
     "TMP_PREFIX", "ConvertReport", "OutFormat", "RankReport", "convert", "find_source_files", "plan_from_dir",
     "check_strategy_slot", "read_inventory", "region_chunks", "region_digest", "sweep_temp_trees",
-    "temp_tree_owner",
+    "temp_tree_owner", "undo_commit",
 ]
 
 OutFormat = Literal["ckpt", "safetensors"]
@@ -109,6 +109,9 @@ class ConvertReport:
     #: the names this conversion created in OUT (rank directories, the strategy file unless the
     #: same bytes were there already): what a caller that cannot catalogue the set removes
     created: tuple[str, ...] = ()
+    #: the manifest OUT held before (a set of other ranks committed there): what undoing this set
+    #: puts back (:func:`undo_commit`)
+    earlier_manifest: bytes | None = None
 
     @property
     def bytes_written(self) -> int:
@@ -351,14 +354,34 @@ def check_strategy_slot(out_fd: int, out: str, name: str, content: bytes) -> boo
     return True
 
 
-def _earlier_manifest(out_fd: int, out: str) -> Manifest | None:
-    """The manifest of a set committed in OUT before (ranks this conversion does not write keep
-    their entries); a manifest that is not ckptd's is refused before anything is written."""
+def _earlier_manifest(out_fd: int, out: str) -> tuple[Manifest | None, bytes | None]:
+    """The manifest of a set committed in OUT before, and its bytes (ranks this conversion does not
+    write keep their entries); a manifest that is not ckptd's is refused before anything is written."""
     if not confine.exists_at(out_fd, MANIFEST_NAME):
-        return None
+        return None, None
     path = os.path.join(out, MANIFEST_NAME)
     data, _ = confine.read_fd(confine.open_at(out_fd, MANIFEST_NAME, path), path, MAX_MANIFEST_BYTES)
-    return parse_manifest(data, path)
+    return parse_manifest(data, path), data
+
+
+def undo_commit(out_fd: int, created: Sequence[str], earlier_manifest: bytes | None) -> None:
+    """Take back a set renamed into OUT: the commit record first (the earlier set's manifest put
+    back, or none), so nothing there ever claims files that are being removed; then what the set
+    created. Through the descriptor: a symlink planted in its place is never followed."""
+    from ckptd.atomic import atomic_write
+
+    with contextlib.suppress(OSError, CkptdError):
+        if earlier_manifest is not None:
+            with atomic_write(MANIFEST_NAME, overwrite=True, dir_fd=out_fd) as fh:
+                fh.write(earlier_manifest)
+        else:
+            os.unlink(MANIFEST_NAME, dir_fd=out_fd)
+    for name in created:
+        with contextlib.suppress(OSError):
+            if name.startswith("rank_"):
+                shutil.rmtree(name, dir_fd=out_fd)
+            else:
+                os.unlink(name, dir_fd=out_fd)
 
 
 def _write_file(dir_fd: int, name: str, content: bytes) -> None:
@@ -384,7 +407,7 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
                            hint="choose an empty output directory or remove those rank directories")
     if strategy_file is not None:
         check_strategy_slot(out_fd, out, *strategy_file)
-    earlier = _earlier_manifest(out_fd, out)
+    earlier, earlier_bytes = _earlier_manifest(out_fd, out)
     sweep_temp_trees(out_fd)
     tmp_name = f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp_root = os.path.join(out, tmp_name)
@@ -455,12 +478,8 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
             fh.write(manifest.to_json())
     except BaseException:
         stop.set()
-        for name in created:  # renamed in, never committed: nothing that looks like a finished set stays
-            with contextlib.suppress(OSError):
-                if name.startswith("rank_"):
-                    shutil.rmtree(name, dir_fd=out_fd)
-                else:
-                    os.unlink(name, dir_fd=out_fd)
+        if created:  # renamed in, maybe committed (the directory's fsync failed): nothing that looks finished stays
+            undo_commit(out_fd, created, earlier_bytes)
         raise
     finally:
         sources.close()
@@ -471,4 +490,4 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
     if progress is not None:
         progress(total, total)
     return ConvertReport(out, plan, tuple(final), time.monotonic() - t0, out_format, out_key is not None, manifest,
-                         tuple(created))
+                         tuple(created), earlier_bytes)

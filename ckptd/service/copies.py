@@ -19,9 +19,7 @@ blocks the conversion with a reason (:func:`blocking_copy`) before anything is w
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -64,19 +62,11 @@ def written_files(report: Any) -> list[WrittenFile]:
 
 
 def discard(out_fd: int, report: Any) -> None:
-    """Remove a written set that failed to be catalogued, commit record first (then nothing there
-    claims to be whole), then what this conversion created in its output directory; through the
-    descriptor, so a symlink planted in its place is never followed."""
-    from ckptd.convert.manifest import MANIFEST_NAME
+    """Take back a written set that failed to be catalogued (:func:`ckptd.convert.execute.undo_commit`:
+    its manifest first -- an earlier set's put back -- then what it created)."""
+    from ckptd.convert.execute import undo_commit
 
-    with contextlib.suppress(OSError):
-        os.unlink(MANIFEST_NAME, dir_fd=out_fd)
-    for name in report.created:
-        with contextlib.suppress(OSError):
-            if name.startswith("rank_"):
-                shutil.rmtree(name, dir_fd=out_fd)
-            else:
-                os.unlink(name, dir_fd=out_fd)
+    undo_commit(out_fd, report.created, report.earlier_manifest)
 
 
 def _copy_of(s: Session, meta: tuple, target_hash: str, lock: bool = False) -> Checkpoint | None:
