@@ -42,15 +42,15 @@ def step_state_counts(s: Session, run_id: int) -> dict[str, int]:
 
 
 def latest_verified_step(s: Session, run_id: int) -> tuple[int | None, int, int, datetime] | None:
-    """(global step, epoch, file-name step, updated_at) of the run's newest restorable trained step:
-    verified, not marked bad, no health reason (what the resume policy skips without asking for
-    the training's health reports); newest by its global step, as the resume oracle orders."""
+    """(global step -- the step's own or its verified shards', epoch, file-name step, updated_at) of
+    the run's newest restorable trained step: verified, not marked bad, no health reason (what the
+    resume policy skips without the training's health reports), in the resume oracle's order
+    (epoch, file-name step, incarnation: ``policy.StepInfo.position``)."""
     row = s.execute(
-        select(Checkpoint.global_step, Checkpoint.epoch, Checkpoint.step, Checkpoint.updated_at)
+        select(shards_step_column(), Checkpoint.epoch, Checkpoint.step, Checkpoint.updated_at)
         .where(Checkpoint.run_id == run_id, Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained",
                Checkpoint.marked_bad.is_(False), Checkpoint.health_reason.is_(None))
-        .order_by(Checkpoint.global_step.is_(None), Checkpoint.global_step.desc(), Checkpoint.epoch.desc(),
-                  Checkpoint.step.desc(), Checkpoint.incarnation.desc())
+        .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc(), func.coalesce(Checkpoint.incarnation, 0).desc())
         .limit(1)
     ).first()
     return (row[0], row[1], row[2], row[3]) if row else None

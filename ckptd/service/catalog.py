@@ -62,10 +62,16 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
         "world_size": run.world_size,
         "steps": counts,
         # as users count training (the global step), not the file names' within-epoch number
-        "latest_restorable_step": stepname.users_step(latest[0], None, latest[1], latest[2]) if latest else None,
+        "latest_restorable_step": _named(latest) if latest else None,
         "latest_restorable_at": iso_time(latest[3]) if latest else None,
         "created_at": iso_time(run.created_at),
     }
+
+
+def _named(latest: tuple) -> int:
+    """A step as the resume oracle names it: its global step, else the file name's step."""
+    users = stepname.users_step(latest[0], None, latest[1], latest[2])
+    return users if users is not None else latest[2]
 
 
 def list_nodes(s: Session, timeout: float) -> list[dict[str, Any]]:
