@@ -119,6 +119,14 @@ def test_the_answer_names_each_nodes_unjudged_work(saves, root, catalog_url, tmp
             gone = c.get("/v1/runs/st/settled", params={"wait": 30}).json()
             assert gone["settled"] and [(u["node"], u["reachable"], u["blocking"]) for u in gone["unjudged"]] == \
                 [("far", False, False)], gone
+            # nobody judges those saves until node far comes back: not a wait for --settle-timeout, and
+            # still never a silent start from step 0 -- the refusal names the node
+            answer = ask_http(srv.url, "st", WORLD)
+            assert answer.step is None and answer.unjudged == () and answer.unjudged_unreachable == \
+                {"2": ["far"], "4": ["far"]}, answer
+            refused = FreshStart().refusal(str(far_root / "st"), WORLD, answer)
+            assert refused is not None and "step(s) 2 (node far), 4 (node far) await a verdict only a silent node" \
+                in refused and "--allow-fresh-start" in refused, refused
             unknown = c.get("/v1/runs/nothing-here/settled")  # default wait: 10 s; after the rescan, a definite "no such run"
             assert unknown.status_code == 404 and unknown.json()["detail"]["code"] == "not_found", unknown.text
             not_yet = c.get("/v1/runs/nothing-here/settled", params={"wait": 0}).json()  # before the rescan: not known

@@ -66,7 +66,7 @@ def body(code: str, message: str, hint: str | None = None, **extra: Any) -> dict
 def install(app: FastAPI) -> None:
     @app.exception_handler(CkptdError)
     async def _domain(_: Request, exc: CkptdError) -> JSONResponse:
-        extra = {k: getattr(exc, k) for k in ("skipped", "unjudged") if hasattr(exc, k)}
+        extra = {k: getattr(exc, k) for k in ("skipped", "unjudged", "unjudged_unreachable") if hasattr(exc, k)}
         return JSONResponse(body(exc.code, exc.message, exc.hint, **extra), status_code=STATUS.get(exc.code, 400))
 
     @app.exception_handler(StarletteHTTPException)

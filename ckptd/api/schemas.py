@@ -160,6 +160,9 @@ class ErrorDetail(BaseModel):
     skipped: list[Skipped] | None = Field(default=None, description="no_restorable_step: the steps passed over, with why")
     unjudged: list[int] | None = Field(default=None, description="no_restorable_step: skipped steps whose verification "
                                                                  "has not finished (they may still become restorable)")
+    unjudged_unreachable: dict[str, list[str]] | None = Field(
+        default=None, description="no_restorable_step: skipped steps awaiting a verdict only from nodes whose daemon is "
+                                  "silent: step -> those nodes")
 
 
 class ErrorOut(BaseModel):

@@ -56,6 +56,18 @@ def latest_verified_step(s: Session, run_id: int) -> tuple[int | None, int, int,
     return (row[0], row[1], row[2], row[3]) if row else None
 
 
+def unverified_shard_nodes(s: Session, ckpt_ids: list[int]) -> dict[int, set[str | None]]:
+    """The nodes holding each step's shards still awaiting a verdict (neither verified nor gone)."""
+    out: dict[int, set[str | None]] = {}
+    if not ckpt_ids:
+        return out
+    for ckpt_id, node in s.execute(select(Shard.checkpoint_id, Shard.node).where(
+            Shard.checkpoint_id.in_(ckpt_ids), Shard.state.notin_((ShardState.VERIFIED.value, ShardState.DELETED.value,
+                                                                   ShardState.SUPERSEDED.value))).distinct()).all():
+        out.setdefault(ckpt_id, set()).add(node)
+    return out
+
+
 def live_shards_per_node(s: Session, run_id: int) -> dict[str | None, int]:
     return dict(s.execute(select(Shard.node, func.count()).join(Checkpoint, Shard.checkpoint_id == Checkpoint.id).where(
         Checkpoint.run_id == run_id, Shard.state != ShardState.DELETED.value).group_by(Shard.node)).all())

@@ -53,6 +53,12 @@ class FreshStart:
             steps = ", ".join(map(str, answer.unjudged[:5])) + (" ..." if len(answer.unjudged) > 5 else "")
             return (f"{answer.why}, but ckptd has not finished verifying step(s) {steps}: they may still be "
                     f"restorable -- give ckptd longer to catch up (--settle-timeout) and launch again; {OVERRIDE}")
+        if answer is not None and answer.unjudged_unreachable:
+            steps = ", ".join(f"{step} (node {', '.join(nodes)})" for step, nodes in
+                              list(answer.unjudged_unreachable.items())[:5])
+            return (f"{answer.why}, but step(s) {steps} await a verdict only a silent node's daemon can give: they "
+                    f"may be restorable -- bring that node's ckptd serve back (or its disk under another node's "
+                    f"root); {OVERRIDE}")
         if answer is not None and answer.catalogued:
             return None  # the oracle knows the run and found nothing restorable: its verdict
         saves = committed_save_files(run_dir, world)

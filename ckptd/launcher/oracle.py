@@ -52,6 +52,9 @@ class ResumeAnswer:
     #: steps ckptd has not finished judging when it found nothing restorable (``detail.unjudged``):
     #: they may still become restorable, so that answer is no verdict on them
     unjudged: tuple[int, ...] = ()
+    #: of those, the ones only a silent node's daemon can judge (``detail.unjudged_unreachable``):
+    #: step -> those nodes
+    unjudged_unreachable: dict[str, list[str]] = field(default_factory=dict)
 
 
 class OracleError(RuntimeError):
@@ -89,7 +92,10 @@ def interpret_answer(body: object, world: int, source: str) -> ResumeAnswer:
             why += "; skipped " + _skipped_text(skipped)
         unjudged = detail.get("unjudged") or []
         steps = tuple(int(s) for s in unjudged if isinstance(s, int)) if isinstance(unjudged, list) else ()
-        return ResumeAnswer(None, None, why, unjudged=steps)
+        blocked = detail.get("unjudged_unreachable")
+        blocked = {str(k): [str(n) for n in v] for k, v in blocked.items() if isinstance(v, list)} \
+            if isinstance(blocked, dict) else {}
+        return ResumeAnswer(None, None, why, unjudged=steps, unjudged_unreachable=blocked)
     if isinstance(detail, dict) and detail.get("code") == "not_found":
         # ckptd has never seen this run (no shard, no health report yet): nothing to resume from
         return ResumeAnswer(None, None, f"{source}: run not in the catalog yet", catalogued=False)

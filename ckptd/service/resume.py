@@ -28,6 +28,7 @@ from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile, as
 from ckptd.errors import CkptdError
 from ckptd.policy import Health, ResumePolicy, SpikeRule, StepInfo
 from ckptd.service import tracker
+from ckptd.catalog import reads
 from ckptd.catalog.reads import shards_step_column
 from ckptd.service.catalog import get_run
 from ckptd.split import ParallelSplit
@@ -114,13 +115,14 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        decision = policy.decide(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), health)
+        steps = _mark_unreachable(s, step_infos(s, run.id, now), dead, opts)
+        decision = policy.decide(steps, health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
         err = NoRestorableStepError(f"run {run_name!r} has no restorable step" + (
             f" at or before step {opts.max_step}" if opts.max_step is not None else ""))
         err.skipped = skipped  # type: ignore[attr-defined]
-        err.unjudged = list(decision.unjudged)  # type: ignore[attr-defined]
+        err.unjudged, err.unjudged_unreachable = _unjudged(s, steps, decision.unjudged, dead)  # type: ignore[attr-defined]
         raise err
     ckpt = s.get(Checkpoint, decision.chosen.id)
     assert ckpt is not None
@@ -184,6 +186,20 @@ def _servable(root: str, path: str) -> bool:
         except (confine.ConfinementError, OSError):
             return False
     return confine.is_regular_beneath(root, path)
+
+
+def _unjudged(s: Session, steps: list[StepInfo], unjudged: tuple[int, ...], dead: set[str],
+              ) -> tuple[list[int], dict[str, list[str]]]:
+    """The passed-over steps still awaiting a verdict, split: those a reachable daemon will judge
+    (wait for it), and those whose unjudged shards are all on nodes whose daemon is silent (step ->
+    those nodes: nobody judges them until a node comes back)."""
+    if not unjudged or not dead:
+        return list(unjudged), {}
+    waiting = set(unjudged)
+    ids = {i.id: i.step for i in steps if i.step in waiting and i.state == "pending"}
+    blocked = {ids[cid]: sorted(n for n in nodes if n) for cid, nodes in reads.unverified_shard_nodes(s, list(ids)).items()
+               if nodes and all(n in dead for n in nodes)}
+    return [u for u in unjudged if u not in blocked], {str(k): v for k, v in sorted(blocked.items())}
 
 
 def _mark_unreachable(s: Session, steps: list[StepInfo], dead: set[str], opts: ResumeOptions) -> list[StepInfo]:
