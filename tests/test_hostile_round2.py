@@ -85,7 +85,11 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
     out = root / "r" / "converted" / f"2-{_target_hash(root, 'r', 'tp=1,dp=1').split(':')[-1][:12]}"
     outcomes: dict[str, int] = {}
     swaps = 0
+    copy_rows = ("SELECT s.path, s.inode FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
+                 "WHERE c.kind = 'converted' AND s.state = 'verified'")
     for i in range(30):
+        # rows an earlier try left (its files removed below since; no daemon runs here to notice)
+        before = set(query(url, copy_rows))
         racer = Swapper(out, outside, empty_only=i % 2 == 0)
         racer.start()
         done = False
@@ -103,8 +107,7 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
         assert _everything_in(outside) == [], f"try {i}: written outside the root"
         if racer.swaps:
             aside = out.with_name(out.name + ".aside")
-            rows = query(url, "SELECT s.path, s.inode FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
-                              "WHERE c.kind = 'converted' AND s.state = 'verified'")
+            rows = [r for r in query(url, copy_rows) if tuple(r) not in before]  # what this try catalogued
             if done:
                 # The racer swapped once the copy was checked in place (possibly after convert_step
                 # returned: the racer runs until told to stop). Then the catalogued files are the
