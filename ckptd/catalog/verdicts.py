@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, DateTime, bindparam, insert, or_, text, update
+from sqlalchemy import Connection, DateTime, Row, bindparam, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import TextClause
 
@@ -28,6 +28,56 @@ _PG_SHARD_EVENTS = text(
     "INSERT INTO verification_events (checkpoint_id, shard_id, at, kind, outcome, detail, seconds)"
     f" SELECT :checkpoint_id, v.shard_id, :at, 'shard', v.outcome, v.detail, v.seconds FROM {unnest_rows(_EVENT_ARRAYS)}"
 ).bindparams(bindparam("at", type_=DateTime(timezone=True)))
+
+
+# --- what the verifier reads before and around its claims ----------------------------------------
+# Batches of shard ids go through ``any_of``: one SQL text for every batch size (see pgbatch).
+
+
+def shard_targets(session: Session, shard_ids: list[int]) -> list[Row]:
+    """(id, path, checkpoint_id, digest, state) of the shards that still exist, to group a batch
+    by checkpoint before claiming it."""
+    return list(session.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
+                                .where(any_of(session, Shard.id, shard_ids))).all())
+
+
+def shard_checkpoints(session: Session, shard_ids: list[int]) -> list[Row]:
+    """(checkpoint_id, id) of the shards that still exist: the verifier's queue is keyed by checkpoint."""
+    return list(session.execute(select(Shard.checkpoint_id, Shard.id).where(any_of(session, Shard.id, shard_ids))).all())
+
+
+def verdict_states(session: Session, shard_ids: list[int]) -> list[Row]:
+    """(id, state, verified_config, error_code, verified_at) of the shards: whether a queued ask
+    was answered meanwhile (by another daemon on a shared root). Read under the checkpoint's lock
+    by the caller, so an answer stored before it is seen. No ids: no statement."""
+    if not shard_ids:
+        return []
+    return list(session.execute(
+        select(Shard.id, Shard.state, Shard.verified_config, Shard.error_code, Shard.verified_at)
+        .where(any_of(session, Shard.id, shard_ids))).all())
+
+
+def live_shards(session: Session, shard_ids: list[int]) -> list[Shard]:
+    """The shards among ``shard_ids`` not deleted yet, as ORM objects to mark deleted (the caller
+    holds their checkpoint's lock; ``repo.mark_deleted``)."""
+    return list(session.execute(
+        select(Shard).where(Shard.id.in_(shard_ids), Shard.state != ShardState.DELETED.value)).scalars())
+
+
+def verified_before(session: Session, prefix: str, cutoff: datetime, owner: Owner, limit: int) -> list[int]:
+    """Ids of verified shards below ``prefix`` that ``owner`` owns, last verified before
+    ``cutoff``, oldest first, at most ``limit`` (index ``ix_shards_state_verified_at``): the
+    scrub's next re-verifications."""
+    return list(session.execute(
+        select(Shard.id)
+        .where(Shard.state == ShardState.VERIFIED.value, Shard.verified_at < cutoff,
+               Shard.path.startswith(prefix, autoescape=True), owner.owned_clause())
+        .order_by(Shard.verified_at)
+        .limit(limit)
+    ).scalars())
+
+
+# --- claims and verdicts -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

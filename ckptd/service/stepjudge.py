@@ -19,12 +19,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine, runlayout
-from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, Run, Shard, StrategyFile
+from ckptd.catalog import repo, steprows
+from ckptd.catalog.models import Checkpoint, Run, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_bytes
@@ -39,6 +38,8 @@ LAYOUT_UNCHECKED = "layout unchecked: "
 
 @dataclass(frozen=True)
 class _Row:
+    """A step's shard as the checks read it (``steprows.SHARD_ROW_COLUMNS``, in that order)."""
+
     id: int
     rank: int
     path: str
@@ -67,10 +68,6 @@ class FactsPlan:
     def encode(self, facts: ShardFacts, seq: int) -> str:
         """The ``shards.facts`` value: these facts, valid for verification ``seq`` of the shard."""
         return json.dumps({"stamp": self.stamp, "seq": seq, "facts": facts.encode()})
-
-
-_ROW_COLUMNS = (Shard.id, Shard.rank, Shard.path, Shard.size, Shard.mtime_ns, Shard.inode, Shard.state,
-                Shard.verify_seq, Shard.facts)
 
 
 class StepJudge:
@@ -147,8 +144,7 @@ class StepJudge:
             ckpt = s.get(Checkpoint, ckpt_id)
             if ckpt is None or ckpt.step_checks_ok is not None or ckpt.expected_ranks is None:
                 return False
-            rows = s.execute(select(Shard.rank, Shard.path, Shard.state).where(
-                Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value)).all()
+            rows = steprows.shard_states(s, ckpt_id)
             if not rows:
                 return False
             verified = [r for r in rows if r.state == ShardState.VERIFIED.value]
@@ -211,8 +207,7 @@ class StepJudge:
                 if r.id in computed and (verified or not distributed):
                     facts[r.rank] = computed[r.id]
                     if distributed:  # shared with the nodes that cannot read this file
-                        s.execute(update(Shard).where(Shard.id == r.id, Shard.verify_seq == r.seq).values(
-                            facts=plan.encode(computed[r.id], r.seq)))
+                        steprows.share_facts(s, r.id, r.seq, plan.encode(computed[r.id], r.seq))
                 elif verified and (known := _fresh(r, stamp)) is not None:
                     facts[r.rank] = known  # recorded by the verification that read the file (or by its node)
             if distributed and len(facts) < len(now_rows):
@@ -263,13 +258,12 @@ class StepJudge:
 
     @staticmethod
     def _rows(s: Session, ckpt_id: int) -> list[_Row]:
-        return [_Row(*r) for r in s.execute(select(*_ROW_COLUMNS).where(
-            Shard.checkpoint_id == ckpt_id, Shard.state != ShardState.DELETED.value).order_by(Shard.id)).all()]
+        return [_Row(*r) for r in steprows.live_shard_rows(s, ckpt_id)]
 
     @staticmethod
     def _store(s: Session, ckpt: Checkpoint, verdict: StepVerdict, problems: list[str], unchecked: str | None,
                seconds: float) -> None:
-        steps = {st for st in s.execute(select(Shard.global_step).where(Shard.checkpoint_id == ckpt.id)).scalars()}
+        steps = steprows.global_steps(s, ckpt.id)
         ckpt.step_checks_ok = not problems
         ckpt.reason = "; ".join(problems + ([unchecked] if unchecked else [])) or None  # unchecked: said, not failed
         if verdict.incomplete:
@@ -313,8 +307,7 @@ def _unusable_strategy(s: Session, run: Run) -> str | None:
     """Why the run's own strategy is unusable, when its newest catalogued content is an error: a
     strategy file that does not parse, or per-rank files that do not merge (their merge row says why)."""
     root = os.path.dirname(run.path)
-    for path, error in s.execute(select(StrategyFile.path, StrategyFile.error).where(StrategyFile.run_id == run.id)
-                                 .order_by(StrategyFile.seen_at.desc(), StrategyFile.id.desc())).all():
+    for path, error in steprows.strategy_errors(s, run.id):
         name = runlayout.classify(root, path)
         if path == runlayout.rank_strategies_dir(run.path) or (
                 isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None):

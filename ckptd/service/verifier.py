@@ -23,14 +23,12 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 
 import xxhash
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import confine
 from ckptd.catalog import repo, verdicts
-from ckptd.catalog.models import Shard, as_utc
+from ckptd.catalog.models import as_utc
 from ckptd.catalog.nodes import NodeView
-from ckptd.catalog.pgbatch import any_of
 from ckptd.format import mf2
 from ckptd.format.checkpoint import CheckpointFile
 from ckptd.format.digest import StreamDigest
@@ -249,8 +247,7 @@ class ShardVerifier:
         a shard not in it is verified now. A shard's result: its new state, ``complete`` when it
         is not this node's to judge now, None when it changed while read."""
         with self.sessions() as s:
-            rows = s.execute(select(Shard.id, Shard.path, Shard.checkpoint_id, Shard.digest, Shard.state)
-                             .where(any_of(s, Shard.id, shard_ids))).all()
+            rows = verdicts.shard_targets(s, shard_ids)
         result: dict[int, ShardState | None] = dict.fromkeys(shard_ids, ShardState.DELETED)
         by_ckpt: dict[int, list[tuple[int, str, str | None]]] = {}
         for shard_id, path, ckpt_id, digest, state in rows:
@@ -272,10 +269,8 @@ class ShardVerifier:
             ckpt = repo.lock_checkpoint(s, ckpt_id)  # lock order everywhere: checkpoint, then its shards
             # verified (by another daemon on a shared root) since we were asked: done, not again
             asked = [sid for sid, _, _ in shards if sid in asks]
-            done = {sid for sid, state, stamp, code, at in s.execute(
-                select(Shard.id, Shard.state, Shard.verified_config, Shard.error_code, Shard.verified_at)
-                .where(any_of(s, Shard.id, asked))).all()
-                if _answered(asks[sid], at, awaits_verification(state, stamp, code, self.stamp))} if asked else set()
+            done = {sid for sid, state, stamp, code, at in verdicts.verdict_states(s, asked)
+                    if _answered(asks[sid], at, awaits_verification(state, stamp, code, self.stamp))}
             claims = verdicts.claim_verifications(s, [sid for sid, _, _ in shards if sid not in done], owner)
             plan = self.steps.facts_plan(s, ckpt) if claims else None
         # not claimed: another live node verifies them, or they were answered
@@ -294,7 +289,7 @@ class ShardVerifier:
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             if gone:
-                for row in s.execute(select(Shard).where(Shard.id.in_(gone), Shard.state != ShardState.DELETED.value)).scalars():
+                for row in verdicts.live_shards(s, gone):
                     repo.mark_deleted(s, row)
             verdicts.release_claims(s, [sid for sid, out in outcomes.items() if sid not in gone and out.state is None], owner)
             stored = verdicts.record_verifications(s, ckpt_id, found)
@@ -325,13 +320,7 @@ class ShardVerifier:
         cutoff = datetime.now(timezone.utc) - timedelta(seconds=max_age)
         prefix = root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
-            return list(s.execute(
-                select(Shard.id)
-                .where(Shard.state == ShardState.VERIFIED.value, Shard.verified_at < cutoff,
-                       Shard.path.startswith(prefix, autoescape=True), self.nodes.owner().owned_clause())
-                .order_by(Shard.verified_at)
-                .limit(limit)
-            ).scalars())
+            return verdicts.verified_before(s, prefix, cutoff, self.nodes.owner(), limit)
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -381,7 +370,7 @@ class Verifier(ShardVerifier):
             return
         ask = None if if_unverified else datetime.now(timezone.utc)
         with self.sessions() as s:
-            rows = s.execute(select(Shard.checkpoint_id, Shard.id).where(any_of(s, Shard.id, shard_ids))).all()
+            rows = verdicts.shard_checkpoints(s, shard_ids)
         by_ckpt: dict[int, dict[int, datetime | None]] = {}
         for ckpt_id, shard_id in rows:
             by_ckpt.setdefault(ckpt_id, {})[shard_id] = ask
