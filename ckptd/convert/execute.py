@@ -384,18 +384,6 @@ def undo_commit(out_fd: int, created: Sequence[str], earlier_manifest: bytes | N
                 os.unlink(name, dir_fd=out_fd)
 
 
-def _write_file(dir_fd: int, name: str, content: bytes) -> None:
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
-                 dir_fd=dir_fd)
-    try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None, out_key: bytes | None,
                   out_format: OutFormat, prefix: str, workers: int | None, progress: Progress | None,
                   t0: float, strategy_file: tuple[str, bytes] | None) -> ConvertReport:
@@ -449,7 +437,8 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
                 raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
             reports = [f.result() for f in futs]
         if strategy_file is not None:
-            _write_file(tmp_fd, *strategy_file)
+            with atomic_write(strategy_file[0], dir_fd=tmp_fd) as fh:
+                fh.write(strategy_file[1])
         os.fsync(tmp_fd)
         for rep in reports:
             name = f"rank_{rep.rank}"

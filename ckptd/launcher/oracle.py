@@ -437,16 +437,3 @@ def wait_for_job(url: str, job_id: int, timeout: float, poll: float = 0.5) -> di
         if time.monotonic() - t0 >= timeout:
             raise ConversionError(f"conversion job {job_id} still {state} after {timeout:.0f}s")
         time.sleep(poll)
-
-
-def list_conversions(url: str, run: str, timeout: float = 10.0) -> list[dict]:
-    """``GET /v1/runs/{run}/conversions``: the run's conversion jobs, newest first ([] for an unknown run)."""
-    try:
-        rows = _call(f"{url.rstrip('/')}/v1/runs/{run}/conversions", "GET", None, timeout)
-    except ConversionError as err:
-        if "HTTP 404" in str(err):
-            return []
-        raise
-    if not isinstance(rows, list):
-        raise ConversionError(f"ckptd's conversion list is not a list: {str(rows)[:200]}")
-    return [r for r in rows if isinstance(r, dict)]

@@ -65,14 +65,13 @@ from ckptd.runlayout.ckpt2 import (  # noqa: F401
     MF2_METADATA,
     MF2_TRACKER,
     iteration_dir,
-    iteration_dirs,
     iteration_file_name,
     iteration_slot,
     parse_iteration_file,
     slot_role,
     tracker_path,
 )
-from ckptd.runlayout.mindformers import MF_AUX_DIRS, MF_HEALTH, MF_META, health_path, meta_path  # noqa: F401
+from ckptd.runlayout.mindformers import MF_HEALTH, MF_META, health_path, meta_path  # noqa: F401
 
 # the name grammar and the bounds of every number in a name (re-exported: callers use runlayout)
 from ckptd.runnames import (  # noqa: F401

@@ -29,7 +29,6 @@ from ckptd.runlayout.base import (
 )
 from ckptd.runnames import parse_rank_dir
 
-MF_AUX_DIRS = ("checkpoint_network", "checkpoint_trainable")  # weights-only copies, no training state
 MF_META = "meta.json"
 MF_HEALTH = "health_ckpts.json"
 
