@@ -10,8 +10,6 @@ import contextlib
 import os
 from typing import BinaryIO, Iterator
 
-from ckptd import confine
-
 TMP_SUFFIX = ".ckptd-tmp"
 
 
@@ -22,7 +20,7 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = False, mode:
 
     Refuses to replace an existing file unless ``overwrite`` (losing a checkpoint by accident is
     worse than an error). With ``dir_fd`` (a directory descriptor, e.g. from
-    ``ckptd.confine.open_dir_beneath``) ``path`` is a bare name in that directory and every step
+    ``ckptd.storage.PosixStorage.open_dir``) ``path`` is a bare name in that directory and every step
     -- create, rename, fsync -- acts on the descriptor, so a directory swapped for a symlink
     meanwhile cannot redirect the write. The temp file is created ``O_NOFOLLOW``.
     """
@@ -44,7 +42,7 @@ def atomic_write(path: str | os.PathLike[str], *, overwrite: bool = False, mode:
 
 @contextlib.contextmanager
 def _write_at(dir_fd: int, name: str, shown: str, overwrite: bool, mode: int) -> Iterator[BinaryIO]:
-    if not overwrite and confine.exists_at(dir_fd, name):
+    if not overwrite and _exists_at(dir_fd, name):
         from ckptd.errors import CkptdError
 
         raise CkptdError("refusing to overwrite an existing file", path=shown, hint="choose another output path")
@@ -71,3 +69,10 @@ def _write_at(dir_fd: int, name: str, shown: str, overwrite: bool, mode: int) ->
                 os.unlink(tmp, dir_fd=dir_fd)
 
 
+def _exists_at(dir_fd: int, name: str) -> bool:
+    """A name is there (a symlink counts: it is not followed, and not replaced)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False

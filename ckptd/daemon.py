@@ -10,10 +10,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy.orm import sessionmaker
 
-from ckptd import confine
 from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.db import make_engine, require_current_schema
 from ckptd.catalog.nodes import NodeView
@@ -24,11 +24,38 @@ from ckptd.service.ingest import Ingestor
 from ckptd.service.jobrunner import JobRunner
 from ckptd.service.jobs import recover_abandoned
 from ckptd.service.retention import finish_pending, gc
-from ckptd.service.verifier import Verifier
+from ckptd.service.stepcheck import ReplicaCheck
+from ckptd.service.stepjudge import StepJudge
+from ckptd.service.verifier import ShardRules, ShardVerifier, Verifier
 from ckptd.settings import Settings
 from ckptd.watcher import Watcher
 
 log = logging.getLogger("ckptd.daemon")
+
+
+def shard_rules(settings: Settings) -> ShardRules:
+    """What every verdict of this configuration depends on: the confined root, the key, the CRC
+    and encryption policies, and their stamp."""
+    return ShardRules(settings.storage, settings.encryption_key(), settings.require_crc, settings.require_encryption,
+                      settings.verification_stamp())
+
+
+def verifier(settings: Settings, sessions: sessionmaker, nodes: NodeView, index_cache: IndexCache | None = None,
+             *, pool: bool = True) -> ShardVerifier:
+    """The daemon's verifier (``pool``: ``verify_workers`` threads), or one that verifies on the
+    caller's thread (``ckptd verify --run``), with the step checks of this configuration."""
+    rules = shard_rules(settings)
+    steps = StepJudge(rules.store, sessions, rules.key, ReplicaCheck(settings.replica_check, settings.replica_sample),
+                      index_cache)
+    if pool:
+        return Verifier(rules, sessions, steps, nodes, index_cache, workers=settings.verify_workers)
+    return ShardVerifier(rules, sessions, steps, nodes, index_cache)
+
+
+def ingestor(settings: Settings, sessions: sessionmaker, nodes: NodeView, submit: Callable[..., None],
+             submit_step: Callable[[int], None], index_cache: IndexCache | None = None) -> Ingestor:
+    return Ingestor(shard_rules(settings), sessions, submit, submit_step, nodes, settle_seconds=settings.settle_seconds,
+                    world_size=settings.world_size, index_cache=index_cache)
 
 
 class Daemon:
@@ -36,15 +63,15 @@ class Daemon:
         if not os.path.isdir(settings.root):
             raise CkptdError("checkpoint root is not a directory", path=str(settings.root), hint="create it or pass --root")
         self.settings = settings
-        confine.allow_hardlinks(settings.allow_hardlinks)  # process-wide: ckptd.confine refuses them by default
+        self.store = settings.storage
         self.engine = make_engine(settings.db)
         require_current_schema(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         index_cache = IndexCache()  # a new shard is opened by ingest, verification and step checks
         self.nodes = NodeView(self.sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
-        self.verifier = Verifier(settings, self.sessions, index_cache, self.nodes)
-        self.ingestor = Ingestor(settings, self.sessions, self.verifier.submit, self.verifier.submit_step, index_cache,
-                                 self.nodes)
+        self.verifier: Verifier = verifier(settings, self.sessions, self.nodes, index_cache)  # type: ignore[assignment]
+        self.ingestor = ingestor(settings, self.sessions, self.nodes, self.verifier.submit, self.verifier.submit_step,
+                                 index_cache)
         self._stopping = threading.Event()
         # conversions run as API jobs on worker threads; /metrics reports their throughput
         self._conversion_lock = threading.Lock()
@@ -73,10 +100,10 @@ class Daemon:
         with self.sessions.begin() as s:
             node_registry.register(s, self.settings.node_name, str(self.settings.root))
         node_registry.write_marker(str(self.settings.root), self.settings.node_name)  # who shares this root
-        finished = finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())  # a gc a crash interrupted
+        finished = finish_pending(self.sessions, self.store, owner=self.nodes.owner())  # a gc a crash interrupted
         if finished:
             log.info("finished %d interrupted retention deletions", finished)
-        recovered = recover_abandoned(self.sessions, str(self.settings.root), timeout=self.settings.node_timeout)
+        recovered = recover_abandoned(self.sessions, self.store, timeout=self.settings.node_timeout)
         if recovered["jobs"] or recovered["conversions"]:
             log.warning("failed %d jobs and %d conversions left by dead processes; removed %s",
                         len(recovered["jobs"]), len(recovered["conversions"]), recovered["removed"])
@@ -95,9 +122,9 @@ class Daemon:
             try:
                 with self.sessions.begin() as s:
                     node_registry.heartbeat(s, self.settings.node_name)
-                finish_pending(self.sessions, str(self.settings.root), owner=self.nodes.owner())
+                finish_pending(self.sessions, self.store, owner=self.nodes.owner())
                 # a job of another node's dead process shows up only after node_timeout
-                recover_abandoned(self.sessions, str(self.settings.root), timeout=self.settings.node_timeout,
+                recover_abandoned(self.sessions, self.store, timeout=self.settings.node_timeout,
                                   at_start=False)
             except Exception:
                 log.exception("heartbeat failed; will retry")
@@ -113,7 +140,7 @@ class Daemon:
                 if not self.verifier.idle():
                     period = 1.0
                     continue
-                due = self.verifier.due_for_scrub(str(self.settings.root), self.settings.scrub_interval, chunk)
+                due = self.verifier.due_for_scrub(self.settings.scrub_interval, chunk)
                 self.verifier.submit(due)
                 period = 1.0 if due else idle_period
             except Exception:
@@ -124,7 +151,7 @@ class Daemon:
         policy = RetentionPolicy(keep_last=self.settings.gc_keep_last or None, keep_every=self.settings.gc_keep_every)
         while not self._stopping.wait(self.settings.gc_interval):
             try:
-                report = gc(self.sessions, str(self.settings.root), policy, owner=self.nodes.owner(),
+                report = gc(self.sessions, self.store, policy, owner=self.nodes.owner(),
                             torn_grace=self.settings.gc_torn_grace)
                 if report.deleted_steps or report.refused or report.torn_temps:
                     log.info("retention: deleted %d steps (%d files), %d torn temp files; refused: %s",

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ckptd.errors import CkptdError
 from ckptd.atomic import TMP_SUFFIX
 from ckptd.runlayout import NODE_MARKER_PREFIX
+from ckptd.storage import PosixStorage
 
 
 #: A node's sharing marker is the file ``<root>/.ckptd-node-<name>`` (runlayout.node_marker_path),
@@ -129,6 +130,11 @@ class Settings(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):  # noqa: ANN001
         return init_settings, env_settings, _FileSource(settings_cls)
+
+    @property
+    def storage(self) -> PosixStorage:
+        """The checkpoint root as ckptd's services reach it: confined, with this ``allow_hardlinks``."""
+        return PosixStorage(str(self.root), self.allow_hardlinks)
 
     def encryption_key(self) -> bytes | None:
         if self.key_file is not None:

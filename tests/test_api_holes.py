@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 
 from ckptd.split import parse_split
 from ckptd.settings import Settings
+from ckptd.storage import PosixStorage
 from tests.api_helpers import Server
 from tests.daemon_helpers import query, save_shard, wait_for, write_tp_strategy
 
@@ -274,7 +275,7 @@ def test_a_conversion_beyond_the_bytes_bound_is_400_before_any_job(ms, root, sql
         assert ok.status_code == 202, ok.text  # 8x: within the bound
         assert _wait_job(srv, ok.json()["id"])["state"] == "done"
         with pytest.raises(ConvertError, match="bytes to 4000 destination ranks"):  # the second line of defence
-            conversions.convert_step(srv.daemon.sessions, str(root), "run1", 100, split=parse_split("tp=2,dp=2000"))
+            conversions.convert_step(srv.daemon.sessions, PosixStorage(str(root)), "run1", 100, split=parse_split("tp=2,dp=2000"))
         converted = root / "run1" / "converted"
         assert len(list(converted.iterdir())) == 1, list(converted.rglob("*"))  # the dp=8 copy only
 
@@ -295,7 +296,7 @@ def test_a_running_conversion_is_cancelled_at_its_next_progress_report(ms, root,
                 if done < total:
                     runner.cancel(ids[0])
                 progress(done, total)
-            return conversions.convert_step(srv.daemon.sessions, str(root), "run1", 100, split=parse_split("tp=1,dp=4"),
+            return conversions.convert_step(srv.daemon.sessions, PosixStorage(str(root)), "run1", 100, split=parse_split("tp=1,dp=4"),
                                             progress=first_report_cancels)
 
         ids.append(runner.start("convert", "run1", {"step": 100}, 0, work)["id"])

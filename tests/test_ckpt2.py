@@ -21,6 +21,7 @@ from ckptd.daemon import Daemon
 from ckptd.errors import CorruptError
 from ckptd.format import mf2
 from ckptd.service import iteration, tracker
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import query, resume_answer, started_daemon, wait_for, wait_or_stop
 from tests.mf2_fixtures import PREFIX, make_records, mindformers_checkpoint_path, mindformers_save, write_files, write_tracker
 from tests.mf_fixtures import tear
@@ -214,13 +215,13 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
     before = mindformers_checkpoint_path([root / run / "checkpoint" for run in ("empty", "dangling")])
     assert all(r["error"] for r in before)  # MindFormers' launch fails on both
     run_path = str(root / "dangling")
-    dry = tracker.repair(str(root), run_path, 20, verified=True, dry_run=True)
+    dry = tracker.repair(PosixStorage(str(root)), run_path, 20, verified=True, dry_run=True)
     assert (dry["before"], dry["after"], dry["written"]) == (10, 20, False)
     assert (root / "dangling" / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "10"
     with pytest.raises(Exception, match="not verified"):
-        tracker.repair(str(root), run_path, 20, verified=False)
+        tracker.repair(PosixStorage(str(root)), run_path, 20, verified=False)
     with pytest.raises(Exception, match="not a real directory"):
-        tracker.repair(str(root), run_path, 30, verified=True)
+        tracker.repair(PosixStorage(str(root)), run_path, 30, verified=True)
     import subprocess
     import sys
 
@@ -229,7 +230,7 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
     assert cli.returncode == 0, cli.stderr
     assert "rewrote empty (a torn write" in cli.stdout and "-> 20 (temp file, fsync, rename, fsync dir)" in cli.stdout
     for run in ("torn", "dangling"):
-        assert tracker.repair(str(root), str(root / run), 20, verified=True)["written"]
+        assert tracker.repair(PosixStorage(str(root)), str(root / run), 20, verified=True)["written"]
     for run in ("empty", "torn", "dangling"):
         path = root / run / "checkpoint" / "latest_checkpointed_iteration.txt"
         assert path.read_text() == "20" and oct(path.stat().st_mode & 0o777) == "0o640"
@@ -240,7 +241,7 @@ def test_tracker_repair_is_atomic_refuses_the_unverified_and_satisfies_mindforme
     os.unlink(root / "torn" / "checkpoint" / "latest_checkpointed_iteration.txt")
     os.symlink("/etc/hostname", root / "torn" / "checkpoint" / "latest_checkpointed_iteration.txt")
     with pytest.raises(Exception, match="not a regular file"):
-        tracker.repair(str(root), str(root / "torn"), 20, verified=True)
+        tracker.repair(PosixStorage(str(root)), str(root / "torn"), 20, verified=True)
     assert os.path.islink(root / "torn" / "checkpoint" / "latest_checkpointed_iteration.txt")
 
 
@@ -255,7 +256,7 @@ def test_retention_removes_whole_iteration_directories_across_incarnations(root,
     mindformers_save(ckpt, [8, 10], keep_max=5)  # the next one: its rotation would never see 2..6
     d = _settle(root, catalog_url, {"job": {2: "verified", 4: "verified", 6: "verified", 8: "verified", 10: "verified"}})
     try:
-        report = gc(d.sessions, str(root), RetentionPolicy(keep_last=2), run_name="job").to_dict()
+        report = gc(d.sessions, PosixStorage(str(root)), RetentionPolicy(keep_last=2), run_name="job").to_dict()
     finally:
         d.stop()
     assert sorted(p.name for p in ckpt.iterdir()) == ["iteration_00000008", "iteration_00000010",
@@ -324,7 +325,7 @@ def test_convert_iterations_to_legacy_files(ms, root, tmp_path, catalog_url):
         write_files(ms, ckpt / f"iteration_{it:08d}", it)
     d = _settle(root, catalog_url, {"job": {100: "verified", 200: "verified"}})
     try:
-        docs = {it: convert_step(d.sessions, str(root), "job", it, split=parse_split(layout))
+        docs = {it: convert_step(d.sessions, PosixStorage(str(root)), "job", it, split=parse_split(layout))
                 for it, layout in ((100, "tp=1,dp=1"), (200, "tp=2,dp=1"))}
     finally:
         d.stop()

@@ -1,5 +1,5 @@
 """Ingest's parse check, the step checks' shard facts and a strategy file the catalog holds no
-content of read through ckptd.confine (issue 15): a FIFO swapped in after the lstat is refused
+content of read through the confined store, ckptd.storage (issue 15): a FIFO swapped in after the lstat is refused
 instead of blocking the thread in open() forever, a symlink is not followed out of the root.
 Real files and FIFOs; the reads run in a subprocess with a deadline (a thread blocked in open()
 on a FIFO cannot be interrupted)."""
@@ -21,9 +21,10 @@ SCRIPT = textwrap.dedent("""
     from ckptd.service.shardopen import parse_error
     from ckptd.service.stepcheck import ShardRef, shard_facts
     from ckptd.service.stepjudge import StepJudge
-    from ckptd.settings import Settings
+    from ckptd.storage import PosixStorage
 
     root, fifo, link, good = sys.argv[1:5]
+    root = PosixStorage(root)
     for path in (fifo, link):
         err = parse_error(root, path, None)
         print("parse", path, err.code if err else None, err)
@@ -31,7 +32,7 @@ SCRIPT = textwrap.dedent("""
         print("facts", path, facts.readable, facts.problems)
     print("parse-good", parse_error(root, good, None))
     print("facts-good", shard_facts(root, ShardRef(0, good), None, None).readable)
-    judge = StepJudge(Settings(root=root, db="sqlite://"), None, None)
+    judge = StepJudge(root, None, None)
     print("strategy", judge.strategy_for(StrategyFile(path=fifo, content=None, content_hash="h", error=None)))
 """)
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ckptd.split import parse_split
-from ckptd import confine
+from ckptd.storage import ConfinementError, PosixStorage
 from tests.daemon_helpers import (fast_settings, query, save_shard, save_tp_step, started_daemon, step_states, wait_for,
                                   wait_for_rescans, write_tp_strategy)
 
@@ -30,7 +30,7 @@ def test_open_beneath_refuses_every_escape(root, outside):
     os.mkfifo(root / "run" / "fifo.ckpt")
     os.mknod(root / "run" / "null.ckpt", stat.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's numbers
     (root / "run" / "dir.ckpt").mkdir()
-    assert confine.read_beneath(str(root), str(root / "run" / "rank_0" / "ok.ckpt"), 10) == b"x"
+    assert PosixStorage(str(root)).read(str(root / "run" / "rank_0" / "ok.ckpt"), 10) == b"x"
     cases = {
         root / "run" / "strategy" / "secret": "symlink or not a directory",
         root / "run" / "link.ckpt": "symlink",
@@ -40,13 +40,13 @@ def test_open_beneath_refuses_every_escape(root, outside):
         root / ".." / "outside" / "secret": "outside the checkpoint root",
     }
     for path, why in cases.items():  # a FIFO that blocked would hang here: the test's timeout fails it
-        with pytest.raises(confine.ConfinementError, match=why):
-            confine.read_beneath(str(root), str(path), 100)
-    with pytest.raises(confine.ConfinementError):
-        confine.make_dirs_beneath(str(root), str(root / "run" / "strategy" / "new"))
+        with pytest.raises(ConfinementError, match=why):
+            PosixStorage(str(root)).read(str(path), 100)
+    with pytest.raises(ConfinementError):
+        PosixStorage(str(root)).open_dir(str(root / "run" / "strategy" / "new"), create=True)
     assert not (outside / "new").exists()
-    with pytest.raises(confine.ConfinementError, match="more than"):
-        confine.read_beneath(str(root), str(root / "run" / "rank_0" / "ok.ckpt"), 0)
+    with pytest.raises(ConfinementError, match="more than"):
+        PosixStorage(str(root)).read(str(root / "run" / "rank_0" / "ok.ckpt"), 0)
 
 
 # --- the daemon ----------------------------------------------------------------------------------
@@ -111,8 +111,8 @@ def test_a_symlinked_converted_directory_cannot_redirect_a_conversion(ms, root, 
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
         os.symlink(outside, root / "run6" / "converted")
-        with pytest.raises(confine.ConfinementError, match="symlink"):
-            convert_step(d.sessions, str(root), "run6", 2, split=parse_split("tp=1,dp=1"))
+        with pytest.raises(ConfinementError, match="symlink"):
+            convert_step(d.sessions, PosixStorage(str(root)), "run6", 2, split=parse_split("tp=1,dp=1"))
         assert list(outside.iterdir()) == []  # nothing written outside: no copy, no strategy, no temp dir
         assert query(catalog_url, "SELECT count(*) FROM checkpoints WHERE kind = 'converted'") == [(0,)]
     finally:

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.split import parse_split
-from ckptd import confine
+from ckptd.storage import ConfinementError, PosixStorage
 from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
 from ckptd.service.conversions import convert_step
@@ -27,8 +27,8 @@ def test_fifos_fail_a_conversion_instead_of_blocking_it(ms, tmp_path, catalog_ur
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step verified")
         os.mkfifo(root / "run" / "target.ckpt")
-        with pytest.raises(confine.ConfinementError, match="FIFO"):
-            convert_step(d.sessions, str(root), "run", 2, to_strategy=str(root / "run" / "target.ckpt"))
+        with pytest.raises(ConfinementError, match="FIFO"):
+            convert_step(d.sessions, PosixStorage(str(root)), "run", 2, to_strategy=str(root / "run" / "target.ckpt"))
     finally:
         d.stop()
     # the source swapped while nobody watched (the catalog still says verified): the conversion
@@ -38,8 +38,8 @@ def test_fifos_fail_a_conversion_instead_of_blocking_it(ms, tmp_path, catalog_ur
     os.replace(tmp, root / "run" / "rank_0" / "net-1_2.ckpt")
     engine = make_engine(catalog_url)  # sessions only: nothing watching, as between the check and the open
     try:
-        with pytest.raises(confine.ConfinementError, match="FIFO"):
-            convert_step(sessionmaker(engine, expire_on_commit=False), str(root), "run", 2, split=parse_split("tp=1,dp=1"))
+        with pytest.raises(ConfinementError, match="FIFO"):
+            convert_step(sessionmaker(engine, expire_on_commit=False), PosixStorage(str(root)), "run", 2, split=parse_split("tp=1,dp=1"))
     finally:
         engine.dispose()
     assert query(catalog_url, "SELECT state FROM conversion_jobs") in ([], [("failed",)])

@@ -33,6 +33,7 @@ from test_convert_helpers import (
 from ckptd.cli.convert_cmd import main as cli_main
 from ckptd.convert import ConvertError, convert, plan_from_dir
 from ckptd.convert.execute import undo_commit
+from ckptd.storage.dirs import Dir
 from ckptd.convert.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import open_checkpoint
@@ -249,11 +250,8 @@ def test_a_written_set_is_committed_by_its_manifest(ms, tmp_path):
     assert later.earlier_manifest == first_record
     _manifest_true(tmp_path / "enc", [0, 1, 2, 3])
     # a set taken back (its caller could not catalogue it) puts the earlier set's record back, first
-    out_fd = os.open(tmp_path / "enc", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        undo_commit(out_fd, later.created, later.earlier_manifest)
-    finally:
-        os.close(out_fd)
+    with Dir.open_given(str(tmp_path / "enc")) as out:
+        undo_commit(out, later.created, later.earlier_manifest)
     assert (tmp_path / "enc" / MANIFEST_NAME).read_bytes() == first_record
     _manifest_true(tmp_path / "enc", [0, 1])
     convert(tmp_path / "src", sa, sb, tmp_path / "enc", out_key=key, ranks=[2, 3], strategy_file=target)

@@ -363,7 +363,8 @@ def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
     from sqlalchemy.orm import sessionmaker
 
     from ckptd.format.index_cache import IndexCache
-    from ckptd.service.verifier import Verifier
+    from ckptd import daemon as compose
+    from ckptd.catalog.nodes import NodeView
 
     write_tp_strategy(root / "run1")
     for rank in range(2):
@@ -374,7 +375,9 @@ def test_step_checks_asked_for_concurrently_run_once(ms, root, catalog_url):
         conn.exec_driver_sql("UPDATE checkpoints SET state = 'pending', step_checks_ok = NULL")
         conn.exec_driver_sql("DELETE FROM verification_events WHERE kind = 'step'")
     ((ckpt_id,),) = query(catalog_url, "SELECT id FROM checkpoints")
-    verifier = Verifier(Settings(root=root, db=catalog_url), sessionmaker(engine, expire_on_commit=False), IndexCache())
+    settings, sessions = Settings(root=root, db=catalog_url), sessionmaker(engine, expire_on_commit=False)
+    verifier = compose.verifier(settings, sessions, NodeView(sessions, settings.node_name, settings.node_timeout),
+                               IndexCache())
     start = threading.Barrier(8)
 
     def ask(i: int) -> None:

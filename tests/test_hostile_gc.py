@@ -14,6 +14,7 @@ from sqlalchemy.orm import sessionmaker
 from ckptd.catalog.db import make_engine
 from ckptd.policy import RetentionPolicy
 from ckptd.service import retention
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import query, save_shard, started_daemon, wait_for, write_tp_strategy
 
 RUNS = ("victim", "run7", "run8", "run9")
@@ -60,7 +61,7 @@ def test_gc_never_deletes_through_a_symlink(ms, tmp_path, catalog_url):
         os.symlink(outside / "secret.ckpt", root / "run9" / "rank_1" / "net-1_1.ckpt")
         victim_before, outside_before = _files(root / "victim"), _files(outside)
         for run in ("run7", "run8", "run9"):
-            retention.gc(sessions, str(root), RetentionPolicy(keep_last=1), run_name=run)
+            retention.gc(sessions, PosixStorage(str(root)), RetentionPolicy(keep_last=1), run_name=run)
     finally:
         engine.dispose()
     assert _files(root / "victim") == victim_before  # nothing of another run deleted

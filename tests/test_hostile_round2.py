@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy.orm import sessionmaker
 
 from ckptd.split import parse_split
-from ckptd import confine, runlayout
+from ckptd import runlayout
+from ckptd.storage import ConfinementError, PosixStorage
 from ckptd.errors import CkptdError
 from tests.daemon_helpers import migrated_sqlite, query, save_shard, save_tp_step, started_daemon, step_states, wait_for
 
@@ -94,7 +95,7 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
         racer.start()
         done = False
         try:
-            convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
+            convert_step(sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"))
             done = True
             outcomes["done"] = outcomes.get("done", 0) + 1
         except CkptdError as err:  # refused: fine, as long as nothing escaped (never another exception)
@@ -114,12 +115,12 @@ def test_a_conversion_racing_a_symlink_swap_never_writes_outside_the_root(ms, ro
                 # ones moved aside, whole: the very inodes recorded, not anything planted.
                 for path, inode in rows:
                     moved = aside / os.path.relpath(path, out)
-                    assert confine.is_regular_beneath(str(root), path) or moved.stat().st_ino == inode, path
+                    assert PosixStorage(str(root)).is_file(path) or moved.stat().st_ino == inode, path
             else:
                 # refused: no catalog row may name a file that is not there, and what it wrote into
                 # the moved directory before noticing is removed, not left looking whole
                 for path, _ in rows:
-                    assert confine.is_regular_beneath(str(root), path), path
+                    assert PosixStorage(str(root)).is_file(path), path
                 assert not any(p.name.startswith("rank_") for p in aside.iterdir()), _everything_in(aside)
             os.unlink(out)
             shutil.rmtree(aside, ignore_errors=True)
@@ -148,7 +149,7 @@ def test_the_tracker_repair_racing_a_symlink_swap_never_writes_outside_the_root(
         racer = Swapper(ckpt_dir, outside_ckpt)
         racer.start()
         try:
-            tracker.repair(str(root), str(run), 2, verified=True)
+            tracker.repair(PosixStorage(str(root)), str(run), 2, verified=True)
         except CkptdError:
             pass  # refused: fine, as long as nothing escaped
         finally:
@@ -177,14 +178,14 @@ def test_a_planted_strategy_link_is_never_read_nor_served(ms, root, outside, cat
     out = root / "r" / "converted" / f"2-{_target_hash(root, 'r', 'tp=1,dp=1').split(':')[-1][:12]}"
     out.mkdir(parents=True)
     os.symlink(secret, out / "strategy.ckpt")
-    with pytest.raises(confine.ConfinementError, match="symlink"):
-        convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
+    with pytest.raises(ConfinementError, match="symlink"):
+        convert_step(sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"))
     assert query(catalog_url, "SELECT count(*) FROM checkpoints WHERE kind = 'converted'") == [(0,)]
     assert not any(b"SECRET" in (c or b"") for (c,) in query(catalog_url, "SELECT content FROM strategy_files"))
     assert sorted(os.listdir(out)) == ["strategy.ckpt"]  # refused before anything was written; the link left alone
     # the link gone, the conversion runs; a link swapped in afterwards is not handed to a launcher
     os.unlink(out / "strategy.ckpt")
-    doc = convert_step(sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"))
+    doc = convert_step(sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"))
     with sessions.begin() as s:
         existing = resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"]
     assert existing["strategy_file"] == str(out / "strategy.ckpt")
@@ -207,19 +208,19 @@ def test_a_lost_converted_copy_is_not_offered_and_converting_again_replaces_it(m
     d = started_daemon(root, catalog_url)
     try:
         wait_for(lambda: step_states(catalog_url) == {2: "verified"}, 60, what="step 2 verified")
-        first = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
+        first = convert_step(d.sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         shutil.rmtree(first["out_dir"])  # the copy's files are gone
         d.watcher.poke_rescan()
         wait_for(lambda: query(catalog_url, "SELECT state FROM checkpoints WHERE kind = 'converted'") == [("deleted",)],
                  60, what="the copy following its files")
         with d.sessions.begin() as s:
             assert resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"] is None
-        again = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
+        again = convert_step(d.sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         assert again["state"] == "done" and not again["reused"] and again["out_dir"] == first["out_dir"]
         assert again["output_checkpoint_id"] == first["output_checkpoint_id"]  # the lost copy's row, replaced
         # lost again, before any rescan noticed: converting again still replaces it
         shutil.rmtree(first["out_dir"])
-        third = convert_step(d.sessions, str(root), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
+        third = convert_step(d.sessions, PosixStorage(str(root)), "r", 2, split=parse_split("tp=1,dp=1"), node=d.settings.node_name)
         assert third["state"] == "done" and not third["reused"]
         with d.sessions.begin() as s:
             existing = resume(s, "r", ResumeOptions(world_size=1, lease=False))["conversion"]["existing"]
@@ -237,13 +238,9 @@ def test_a_lost_converted_copy_is_not_offered_and_converting_again_replaces_it(m
 def test_open_beneath_refuses_hard_links_unless_allowed(root, outside):
     (outside / "secret").write_bytes(b"SECRETS!")
     os.link(outside / "secret", root / "linked.ckpt")
-    with pytest.raises(confine.ConfinementError, match="2 hard links"):
-        confine.read_beneath(str(root), str(root / "linked.ckpt"), 100)
-    confine.allow_hardlinks(True)
-    try:
-        assert confine.read_beneath(str(root), str(root / "linked.ckpt"), 100) == b"SECRETS!"
-    finally:
-        confine.allow_hardlinks(False)
+    with pytest.raises(ConfinementError, match="2 hard links"):
+        PosixStorage(str(root)).read(str(root / "linked.ckpt"), 100)
+    assert PosixStorage(str(root), hardlinks=True).read(str(root / "linked.ckpt"), 100) == b"SECRETS!"
 
 
 def test_no_error_quotes_the_first_bytes_of_a_file(tmp_path):

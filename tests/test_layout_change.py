@@ -23,6 +23,7 @@ from ckptd.service.resume import ResumeOptions, resume
 from ckptd.service.retention import gc
 from ckptd.settings import Settings
 from ckptd.states import Resave, ShardState, StepState, layout_resave, step_state
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import FULL_W, query, rank_tensors, save_shard, step_states, wait_for, write_tp_strategy
 
 RUN = "run1"
@@ -196,7 +197,7 @@ def test_4_to_2_ranks_resave_supersedes_old_ranks_and_retention_takes_them_along
     # the new job goes on; retention deletes the re-saved step together with its superseded files
     _save(ms, root, 40, range(2), tp=2)
     _settled(daemon, catalog_url, {10: "verified", 30: "verified", 40: "verified"})
-    report = gc(daemon.sessions, str(root), RetentionPolicy(keep_last=1))
+    report = gc(daemon.sessions, PosixStorage(str(root)), RetentionPolicy(keep_last=1))
     assert report.deleted_steps == 3 and not report.refused  # steps 10 and 30, and step 30's history
     assert not any((root / RUN / f"rank_{r}" / "net-1_30.ckpt").exists() for r in range(4))
     assert query(catalog_url, "SELECT step, kind FROM checkpoints") == [(40, "trained")]

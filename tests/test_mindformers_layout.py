@@ -19,6 +19,7 @@ from ckptd.catalog.db import make_engine
 from ckptd.daemon import Daemon
 from ckptd.format.strategy import save_strategy
 from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import catalog_snapshot, query, started_daemon, wait_for, wait_or_stop
 from tests.mf_fixtures import RESUME_SCENARIOS, MFJob, tear, write_health
 
@@ -369,7 +370,7 @@ def test_gc_and_conversion_from_the_catalog_on_a_mindformers_run(ms, root, catal
         job.save(step)
     d = _settle(root, catalog_url, "job", {(1, s, 0): "verified" for s in (10, 20, 30)})
     try:
-        report = gc(d.sessions, str(root), RetentionPolicy(keep_last=2), run_name="job").to_dict()
+        report = gc(d.sessions, PosixStorage(str(root)), RetentionPolicy(keep_last=2), run_name="job").to_dict()
         assert not any(job.path(r, 10).exists() for r in range(4))  # the oldest step's files, every rank
         assert all(job.path(r, 20).exists() and job.path(r, 30).exists() for r in range(4))
         assert [p for p in report["runs"] if p["run"] == "job"]
@@ -379,7 +380,7 @@ def test_gc_and_conversion_from_the_catalog_on_a_mindformers_run(ms, root, catal
         target = root / "job" / "targets" / "tp2.ckpt"  # one stage, tp=2: what the job would run on 2 ranks
         target.parent.mkdir()
         save_strategy(MFJob(root / "elsewhere", tp=2, dp=1, pp=1).strategy(0), target)
-        convert_step(d.sessions, str(root), "job", 30, to_strategy=str(target))  # the merged stage files are the source
+        convert_step(d.sessions, PosixStorage(str(root)), "job", 30, to_strategy=str(target))  # the merged stage files are the source
         answer = _resume(catalog_url, "job", world_size=2)
         existing = answer["conversion"]["existing"]
         assert answer["global_step"] == 30 and existing is not None and len(existing["shards"]) == 2

@@ -251,7 +251,8 @@ def test_an_ask_made_while_a_shard_was_unverified_is_answered_by_another_nodes_l
 
     from sqlalchemy.orm import sessionmaker
 
-    from ckptd.service.verifier import Verifier
+    from ckptd import daemon as compose
+    from ckptd.catalog.nodes import NodeView
     from tests.daemon_helpers import fast_settings
 
     shared = tmp_path / "lustre"
@@ -262,7 +263,9 @@ def test_an_ask_made_while_a_shard_was_unverified_is_answered_by_another_nodes_l
     finally:
         a.stop()
     engine = make_engine(pg_url)
-    b = Verifier(fast_settings(shared, pg_url, node_name="node-b"), sessionmaker(engine, expire_on_commit=False))
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    b = compose.verifier(fast_settings(shared, pg_url, node_name="node-b"), sessions,
+                        NodeView(sessions, "node-b", 120.0, root=str(shared)))
     try:
         ids = [sid for (sid,) in query(pg_url, "SELECT id FROM shards ORDER BY id")]
         events = "SELECT count(*) FROM verification_events WHERE kind = 'shard'"

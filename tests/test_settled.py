@@ -86,7 +86,7 @@ def test_the_answer_names_each_nodes_unjudged_work(saves, root, catalog_url, tmp
     from ckptd.catalog import nodes as node_registry
     from ckptd.catalog.db import make_engine
     from ckptd.catalog.nodes import NodeView
-    from ckptd.service.ingest import Ingestor
+    from ckptd import daemon as compose
     from sqlalchemy.orm import sessionmaker
 
     far_root = tmp_path / "far"
@@ -97,8 +97,8 @@ def test_the_answer_names_each_nodes_unjudged_work(saves, root, catalog_url, tmp
     with Server(Settings(root=root, db=catalog_url, node_timeout=1.0, heartbeat_interval=0.2)) as srv:
         with sessions.begin() as s:
             node_registry.register(s, "far", str(far_root))
-        Ingestor(far, sessions, lambda *a, **k: None, lambda _id: None,
-                 nodes=NodeView(sessions, "far", 1.0, root=str(far_root))).rescan()
+        compose.ingestor(far, sessions, NodeView(sessions, "far", 1.0, root=str(far_root)), lambda *a, **k: None,
+                        lambda _id: None).rescan()
         with srv.client() as c:
             held = c.get("/v1/runs/st/settled", params={"wait": 0.3}).json()
             assert not held["settled"] and held["rescanned"] and held["node"] == srv.daemon.settings.node_name

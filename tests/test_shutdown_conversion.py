@@ -28,6 +28,7 @@ from ckptd.catalog.db import make_engine
 from ckptd.convert.execute import TMP_PREFIX
 from ckptd.service import jobs
 from ckptd.service.jobrunner import SHUTDOWN_RUNNING
+from ckptd.storage import PosixStorage
 from tests.api_helpers import free_port
 from tests.daemon_helpers import query, save_shard, wait_for, write_tp_strategy
 
@@ -115,7 +116,7 @@ def test_sigterm_with_a_running_conversion_exits_within_the_bound_and_fails_the_
         assert len(trees) == 1, list(out.iterdir())
         engine = make_engine(catalog_url)
         try:
-            report = jobs.recover_abandoned(sessionmaker(engine, expire_on_commit=False), str(root))
+            report = jobs.recover_abandoned(sessionmaker(engine, expire_on_commit=False), PosixStorage(str(root)))
         finally:
             engine.dispose()
         assert report["removed"] == [str(trees[0])] and not trees[0].exists(), report

@@ -30,6 +30,7 @@ from ckptd.convert.execute import TMP_PREFIX
 from ckptd.service import jobs
 from ckptd.service.resume import RESUME_LEASE
 from ckptd.settings import Settings
+from ckptd.storage import PosixStorage
 from tests.api_helpers import Server
 from tests.daemon_helpers import query, save_shard, wait_for, write_tp_strategy
 from tests.api_helpers import free_port, stop_process
@@ -156,7 +157,7 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
         assert src_id in lineage_ids(s)  # pinned against gc by a conversion nobody runs any more
     assert query(catalog_url, "SELECT state FROM jobs WHERE id = :i", i=job.json()["id"]) == [("running",)]
 
-    report = jobs.recover_abandoned(sessions, str(root))  # what the next daemon start runs
+    report = jobs.recover_abandoned(sessions, PosixStorage(str(root)))  # what the next daemon start runs
 
     assert report["jobs"] == [{"id": job.json()["id"], "kind": "convert", "why": f"its process (pid {pid} on "
                                f"{socket.gethostname()}) is not running"}]
@@ -175,7 +176,7 @@ def test_serve_killed_mid_conversion_is_failed_and_cleaned_by_the_next_process(m
         # once a resume lease would have run out, retention may take the step again
         info = next(i for i in step_infos(s, s.get(Checkpoint, src_id).run_id, now + RESUME_LEASE) if i.id == src_id)
         assert not info.in_use
-    assert jobs.recover_abandoned(sessions, str(root)) == {"jobs": [], "conversions": [], "removed": [], "refused": [],
+    assert jobs.recover_abandoned(sessions, PosixStorage(str(root))) == {"jobs": [], "conversions": [], "removed": [], "refused": [],
                                                            "left": []}  # idempotent
 
     # the same conversion again runs into nothing left behind
@@ -235,7 +236,7 @@ def test_conversion_of_a_live_process_is_left_alone(ms, root, catalog_url, sessi
         (job,) = query(catalog_url, "SELECT id, kind, state, params FROM jobs")
         assert job[1:3] == ("convert", "running") and json.loads(job[3])["ckptd"]["owner"]["pid"] == cli.pid
 
-        report = jobs.recover_abandoned(sessions, str(root), timeout=0.001)  # the pid says alive, whatever the clock
+        report = jobs.recover_abandoned(sessions, PosixStorage(str(root)), timeout=0.001)  # the pid says alive, whatever the clock
         assert report == {"jobs": [], "conversions": [], "removed": [], "refused": [], "left": []}
         assert tree.exists() and [s for _, s, _ in _conversion_states(catalog_url)] == ["running"]
     finally:
@@ -259,10 +260,10 @@ def test_conversion_elsewhere_is_judged_by_its_heartbeat(ms, root, catalog_url, 
     try:
         tree = _stop_mid_conversion(cli, root, catalog_url)
         monkeypatch.setattr(jobs, "this_machine", lambda: {"host": "other-node", "boot": "another-boot", "pidns": "pid:[1]"})
-        assert jobs.recover_abandoned(sessions, str(root), timeout=60)["jobs"] == []
+        assert jobs.recover_abandoned(sessions, PosixStorage(str(root)), timeout=60)["jobs"] == []
         assert tree.exists()
         time.sleep(1.5)
-        report = jobs.recover_abandoned(sessions, str(root), timeout=1.0)
+        report = jobs.recover_abandoned(sessions, PosixStorage(str(root)), timeout=1.0)
         (j,) = report["jobs"]
         assert "renewed nothing for" in j["why"] and "(limit 1 s)" in j["why"]
         assert report["removed"] == [str(tree)]  # a shared disk: the dead owner's tree, by its host and pid
@@ -293,7 +294,7 @@ def test_heartbeat_keeps_a_live_job_elsewhere_running(root, sessions, monkeypatc
         # a catalog that stalls a beat on a loaded machine
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            assert jobs.recover_abandoned(sessions, str(root), timeout=1.5)["jobs"] == []
+            assert jobs.recover_abandoned(sessions, PosixStorage(str(root)), timeout=1.5)["jobs"] == []
             time.sleep(0.1)
         with sessions() as s:
             assert s.get(Job, doc["id"]).state == "running"
@@ -384,7 +385,7 @@ def test_temp_data_is_removed_only_inside_the_root_and_never_through_a_symlink(r
     legacy_old = _conversion(sessions, str(root / "run1" / "conv3"), None, age=timedelta(hours=3))
     legacy_new = _conversion(sessions, str(root / "run1" / "conv4"), None, age=timedelta(minutes=1))
 
-    report = jobs.recover_abandoned(sessions, str(root))
+    report = jobs.recover_abandoned(sessions, PosixStorage(str(root)))
 
     assert sorted(c["id"] for c in report["conversions"]) == sorted([via_link, in_root, far, legacy_old])
     assert report["removed"] == [str(real / f"{tmp}cccccccc")]
@@ -432,8 +433,8 @@ def test_start_removes_this_machines_tree_of_a_conversion_failed_elsewhere(root,
         row.state, row.error = "failed", "abandoned: its process (pid 1 on elsewhere) renewed nothing for 300 s"
         for job in s.query(Job).all():
             job.state, job.error = "failed", row.error
-    periodic = jobs.recover_abandoned(sessions, str(root), at_start=False)
+    periodic = jobs.recover_abandoned(sessions, PosixStorage(str(root)), at_start=False)
     assert periodic["removed"] == [] and tree.exists()
-    assert jobs.recover_abandoned(sessions, str(root))["removed"] == [str(tree)] and not tree.exists()
+    assert jobs.recover_abandoned(sessions, PosixStorage(str(root)))["removed"] == [str(tree)] and not tree.exists()
     with sessions() as s:
         assert s.get(ConversionJob, conv).state == "failed"

@@ -14,6 +14,7 @@ from ckptd.catalog.models import Checkpoint
 from ckptd.daemon import Daemon
 from ckptd.service.stepcheck import ShardFacts, ShardRef, shard_facts
 from ckptd.service.verifier import FACTS_IN_PASS_BYTES
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import fast_settings, query, rank_tensors, step_states, wait_for, write_tp_strategy
 
 KEY = bytes(range(16))
@@ -57,6 +58,6 @@ def test_verification_records_the_step_checks_facts(ms, tmp_path, catalog_url, e
     for rank, path, seq, facts in rows:
         doc = json.loads(facts)  # recorded by the verification, not by a second read in the step check
         assert (doc["stamp"], doc["seq"]) == (plan.stamp, seq)
-        fresh = shard_facts(str(root), ShardRef(rank, path), plan.strategy, KEY if encrypted else None, plan.names,
+        fresh = shard_facts(PosixStorage(str(root)), ShardRef(rank, path), plan.strategy, KEY if encrypted else None, plan.names,
                             subset=plan.subset)
         assert ShardFacts.decode(doc["facts"]) == fresh and fresh.step == 10 and fresh.shapes_ok

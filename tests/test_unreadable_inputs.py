@@ -32,6 +32,7 @@ from ckptd.format.limits import LimitExceededError
 from ckptd.format.strategy import parse_strategy_bytes
 from ckptd.service import runhints
 from ckptd.service.verifier import read_sidecar
+from ckptd.storage import PosixStorage
 from tests.daemon_helpers import query, save_tp_step, started_daemon, wait_or_stop
 from tests.mf2_fixtures import PREFIX, make_records, write_files
 from tests.mf_fixtures import MFJob
@@ -278,13 +279,13 @@ def test_deeply_nested_json_is_an_error_or_an_ignored_hint(root, caplog):
     health.parent.mkdir()
     health.write_bytes(DEEP)
     caplog.set_level(logging.WARNING, logger="ckptd.ingest")
-    assert runhints.read_health(str(root), str(health)) == {}
-    assert runhints.read_health(str(root), str(health)) == {}  # every rescan: no second warning
+    assert runhints.read_health(PosixStorage(str(root)), str(health)) == {}
+    assert runhints.read_health(PosixStorage(str(root)), str(health)) == {}  # every rescan: no second warning
     assert [r.getMessage() for r in caplog.records] == [f"health records {health} ignored: nests deeper than 64 levels"]
     sidecar = root / "run1" / "rank_0" / "net-1_1.ckpt.done"
     sidecar.parent.mkdir()
     sidecar.write_bytes(b"[" * 4000)
-    assert read_sidecar(str(root), str(sidecar)[: -len(".done")]) is None
+    assert read_sidecar(PosixStorage(str(root)), str(sidecar)[: -len(".done")]) is None
 
 
 # --- finding 9: a strategy that cannot be read leaves the step restorable, and says so -------------

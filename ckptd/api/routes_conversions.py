@@ -28,16 +28,16 @@ def start_conversion(run: RunName, body: ConversionRequest, request: Request, _:
 
     The result is catalogued as a converted copy, which ``/resume?world_size=W`` then points at.
     """
-    root = str(request.app.state.settings.root)
     daemon = request.app.state.daemon
+    store = daemon.store
     split = parse_split(body.to_layout, "to_layout") if body.to_layout is not None else None
     with daemon.sessions() as s:  # 400 / 404 now, not a failed job later (a too-large to_layout too)
-        conversions.check_request(s, root, run, body.step, split=split, to_strategy=body.to_strategy)
+        conversions.check_request(s, store, run, body.step, split=split, to_strategy=body.to_strategy)
 
     def work(progress):  # noqa: ANN001, ANN202
         doc = conversions.convert_step(
-            daemon.sessions, root, run, body.step, to_strategy=body.to_strategy, split=split,
-            key=daemon.verifier.key, progress=progress, node=daemon.settings.node_name,
+            daemon.sessions, store, run, body.step, to_strategy=body.to_strategy, split=split,
+            key=daemon.verifier.rules.key, progress=progress, node=daemon.settings.node_name,
         )
         report = doc.get("report")
         if report is not None:  # a reused copy moved no bytes

@@ -60,7 +60,8 @@ async def get_resume(
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
     opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash,
                          exclude_unreachable, request.app.state.settings.node_timeout,
-                         parse_split(split, "split") if split is not None else None)
+                         parse_split(split, "split") if split is not None else None,
+                         request.app.state.settings.allow_hardlinks)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is
@@ -113,7 +114,7 @@ def post_health(run: RunName, body: HealthReport, request: Request, s: SessionDe
     cannot make ckptd invent runs. A NaN/inf loss rules out every checkpoint at or after its step;
     an operator clears a wrong one with ``DELETE /v1/runs/{run}/health``.
     """
-    health.report(s, str(request.app.state.settings.root), run, body.step, body.loss, body.grad_norm, body.overflow)
+    health.report(s, request.app.state.settings.storage, run, body.step, body.loss, body.grad_norm, body.overflow)
     return Response(status_code=204)
 
 
@@ -202,7 +203,8 @@ class ResumeFastPath:
         opts = _fast_options(scope.get("query_string", b""))
         if opts is None:
             return None
-        opts = replace(opts, node_timeout=state.settings.node_timeout)  # as the route builds them
+        # as the route builds them
+        opts = replace(opts, node_timeout=state.settings.node_timeout, hardlinks=state.settings.allow_hardlinks)
         body = await state.resume_cache.current(run, opts)
         if body is None and (run, opts) in state.resume_locks:
             # the same answer is being computed (the storm after a change): wait for it here rather

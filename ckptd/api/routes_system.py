@@ -131,6 +131,6 @@ def cancel_job(job_id: JobId, request: Request, response: Response, _: AdminScop
              responses=responses(400, 401, 403, 404, 413, 422), openapi_extra=max_body(DEFAULT_MAX_BODY))
 def run_gc(run: RunName, body: GcRequest, request: Request, _: AdminScope) -> dict[str, Any]:
     policy = RetentionPolicy(keep_last=body.keep_last, keep_every=body.keep_every)
-    return gc(request.app.state.sessions, str(request.app.state.settings.root), policy,
+    return gc(request.app.state.sessions, request.app.state.settings.storage, policy,
               run_name=run, dry_run=body.dry_run, owner=request.app.state.daemon.nodes.owner(),
               torn_grace=request.app.state.settings.gc_torn_grace).to_dict()

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
 
@@ -94,7 +94,6 @@ def catalog_sessions(args: argparse.Namespace):  # noqa: ANN202
 
     overrides = {k: getattr(args, k) for k in ("db", "root") if getattr(args, k, None)}
     settings = Settings(**overrides)
-    confine.allow_hardlinks(settings.allow_hardlinks)  # what the daemon applies, for commands that read the root
     engine = make_engine(settings.db)
     require_current_schema(engine)
     return settings, sessionmaker(engine, expire_on_commit=False)
@@ -200,7 +199,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     settings, sessions = catalog_sessions(args)
     opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease,
-                         exclude_unreachable=args.exclude_unreachable, node_timeout=settings.node_timeout)
+                         exclude_unreachable=args.exclude_unreachable, node_timeout=settings.node_timeout,
+                         hardlinks=settings.allow_hardlinks)
     try:
         with sessions.begin() as s:
             doc = resume(s, args.run, opts)
@@ -234,7 +234,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if mf.get("tracker"):
             lines.append(f"mindformers: tracker {mf['tracker']['path']}: {mf['tracker']['note']}")
     if args.repair_tracker or args.dry_run:
-        doc["tracker_repair"] = _repair_tracker(args, doc)
+        doc["tracker_repair"] = _repair_tracker(args, doc, settings.allow_hardlinks)
         lines.append(_repair_line(doc["tracker_repair"]))
     lines += [f"skipped step {x['step']}: {x['reason']}" for x in doc["skipped"]]
     if doc["conversion"]:
@@ -243,8 +243,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _repair_tracker(args: argparse.Namespace, doc: dict) -> dict:
+def _repair_tracker(args: argparse.Namespace, doc: dict, hardlinks: bool) -> dict:
     from ckptd.service import tracker
+    from ckptd.storage import PosixStorage
 
     layout = doc.get("layout")
     if not (runlayout.known(layout) and runlayout.by_name(layout).has_tracker):
@@ -253,7 +254,8 @@ def _repair_tracker(args: argparse.Namespace, doc: dict) -> dict:
     run_path = os.path.dirname(doc["mindformers"]["checkpoint_dir"])
     # the answer is a verified iteration by construction: the oracle only answers verified steps;
     # the run's own directory bounds what may be written (it is <root>/<run> in the catalog)
-    return tracker.repair(os.path.dirname(run_path), run_path, doc["name_step"], verified=True, dry_run=args.dry_run)
+    store = PosixStorage(os.path.dirname(run_path), hardlinks)
+    return tracker.repair(store, run_path, doc["name_step"], verified=True, dry_run=args.dry_run)
 
 
 def _repair_line(rep: dict) -> str:
@@ -272,7 +274,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ckptd.catalog.nodes import NodeView
 
     owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
-    report = gc(sessions, str(settings.root), RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
+    report = gc(sessions, settings.storage, RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
                 run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace)
     doc = report.to_dict()
     lines = []
@@ -310,14 +312,15 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 def cmd_verify_run(args: argparse.Namespace) -> int:
     """``ckptd verify --run R [--step S]``: re-verify catalogued shards now, with a progress bar."""
     from ckptd.cli.files import rate_text
-    from ckptd.service.ingest import Ingestor
+    from ckptd.catalog.nodes import NodeView
+    from ckptd import daemon
     from ckptd.service.jobs import reverify, select_shards
-    from ckptd.service.verifier import ShardVerifier
 
     settings, sessions = catalog_sessions(args)
     settings = settings_from(args).model_copy(update={"db": settings.db, "root": settings.root})
-    verifier = ShardVerifier(settings, sessions)  # verifies on this thread: the command starts no workers
-    ingestor = Ingestor(settings, sessions, lambda _ids, **_how: None, lambda _id: None)
+    nodes = NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
+    verifier = daemon.verifier(settings, sessions, nodes, pool=False)  # on this thread: the command starts no workers
+    ingestor = daemon.ingestor(settings, sessions, nodes, lambda _ids, **_how: None, lambda _id: None)
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
 

@@ -196,7 +196,7 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
         raise _usage("--run needs --step N (the step as `ckptd ls RUN` shows it)")
     settings, sessions = catalog_sessions(args)
     doc = convert_step(
-        sessions, str(settings.root), args.run, int(args.step), to_strategy=args.to_strategy,
+        sessions, settings.storage, args.run, int(args.step), to_strategy=args.to_strategy,
         split=parse_split(args.to_layout) if args.to_layout is not None else None,
         out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
         out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,

@@ -22,8 +22,8 @@ Atomicity. Everything is written under ``OUT/.ckptd-convert-<host>-<pid>-<random
 rank is written, fsynced and verified are they renamed into ``OUT`` (``renameat2(RENAME_NOREPLACE)``)
 and OUT fsynced; then the set's manifest is written, last (:mod:`ckptd.convert.manifest`: each
 file's size and the digest taken while writing it; its rename is the commit). Every file and directory
-is created, checked and renamed relative to a descriptor of OUT (the caller's, opened beneath the
-checkpoint root by :func:`ckptd.confine.open_dir_beneath`; or OUT as given), never by a path
+is created, checked and renamed relative to a descriptor of OUT (a :class:`ckptd.storage.dirs.Dir`:
+the caller's, opened beneath the checkpoint root by the confined store; or OUT as given), never by a path
 name: a directory swapped for a symlink mid-conversion cannot send a byte elsewhere. A failure removes the temp tree; a SIGKILL leaves only the
 hidden temp tree (removed by the next conversion into OUT on the same host) -- never an
 ``OUT/rank_<r>`` holding a partial or unverified file. Existing ``OUT/rank_<r>`` are never replaced.
@@ -32,12 +32,10 @@ hidden temp tree (removed by the next conversion into OUT on the same host) -- n
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import queue
 import re
 import secrets
-import shutil
 import socket
 import threading
 import time
@@ -48,7 +46,7 @@ from typing import Any, Literal
 
 import xxhash
 
-from ckptd import confine, procs
+from ckptd import procs
 from ckptd.convert.assemble import ArrayEnd, ArrayStart, BufferSet, Pipeline, Stopped, ValueItem
 from ckptd.convert.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestFile, parse_manifest
 from ckptd.convert.plan import ConversionPlan, ConvertError, RankPlan
@@ -67,6 +65,8 @@ from ckptd.format.crypto import EncMode, EncryptingWriter
 from ckptd.format.digest import StreamDigest
 from ckptd.format.dtypes import STR_TYPE
 from ckptd.format.strategy import Strategy
+from ckptd.storage import beneath
+from ckptd.storage.dirs import Dir
 
 __all__ = [
     "TMP_PREFIX", "ConvertReport", "OutFormat", "RankReport", "convert", "find_source_files", "plan_from_dir",
@@ -77,7 +77,6 @@ __all__ = [
 OutFormat = Literal["ckpt", "safetensors"]
 Progress = Callable[[int, int], None]
 TMP_PREFIX = ".ckptd-convert-"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -184,22 +183,20 @@ def _write_rank(rp: RankPlan, pipeline: Pipeline, out: OutFile, out_format: OutF
     return written, values, checked
 
 
-def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str, prefix: str, out_format: OutFormat,
+def _convert_rank(rp: RankPlan, sources: OpenSources, tmp: Dir, prefix: str, out_format: OutFormat,
                   out_key: bytes | None, abort: threading.Event, tick: Callable[[int], None],
                   buffer_sets: queue.Queue[BufferSet]) -> RankReport:
     t0 = time.monotonic()
     rank_name = f"rank_{rp.rank}"
-    os.mkdir(rank_name, 0o700, dir_fd=tmp_fd)
-    rank_fd = os.open(rank_name, _DIR_FLAGS, dir_fd=tmp_fd)
-    try:
+    with tmp.mkdir(rank_name) as rank_dir:
         ext = "safetensors" if out_format == "safetensors" else "ckpt"
-        path = os.path.join(tmp_root, rank_name, f"{prefix}{rp.rank}.{ext}")  # names it in messages only
+        path = rank_dir.child(f"{prefix}{rp.rank}.{ext}")  # names it in messages only
         order = safetensors_order(rp.tasks) if out_format == "safetensors" else list(rp.tasks)
         buffers = buffer_sets.get()
         out = pipeline = None
         try:
             buffers.prepare(order)
-            out = OutFile(path, dir_fd=rank_fd)  # starts write-back as the file grows: the final fsync waits for the tail only
+            out = OutFile(path, dir_fd=rank_dir.fd)  # starts write-back as the file grows: the final fsync waits for the tail only
             pipeline = Pipeline(rp.rank, order, sources, buffers, abort)
             written, values, checked = _write_rank(rp, pipeline, out, out_format, out_key, tick)
             out.finish()
@@ -207,7 +204,7 @@ def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str
             st = os.fstat(out.fd)
             # safetensors' header is rewritten in place once its CRC is known: only then is the
             # file read back for its digest (from the page cache, moments after it was written)
-            digest = out.digest() or StreamDigest().finish(confine.proc_path(out.fd))
+            digest = out.digest() or StreamDigest().finish(beneath.proc_path(out.fd))
         finally:
             # threads first: nothing may touch the buffers once they are back in the set
             if pipeline is not None:
@@ -215,9 +212,7 @@ def _convert_rank(rp: RankPlan, sources: OpenSources, tmp_fd: int, tmp_root: str
             if out is not None:
                 out.close()
             buffer_sets.put(buffers)
-        os.fsync(rank_fd)
-    finally:
-        os.close(rank_fd)
+        rank_dir.fsync()
     return RankReport(rp.rank, path, st.st_size, len(rp.tasks), checked, time.monotonic() - t0, digest,
                       st.st_mtime_ns, st.st_ino)
 
@@ -226,7 +221,7 @@ def _check_written(out: OutFile, path: str, out_key: bytes | None, rp: RankPlan,
                    values: dict[str, Any]) -> int:
     """``check_index`` of the very file written (its descriptor, reopened read-only), errors naming ``path``."""
     try:
-        return check_index(confine.proc_path(out.fd), out_key, rp.tasks, written, values)
+        return check_index(beneath.proc_path(out.fd), out_key, rp.tasks, written, values)
     except CkptdError as err:
         if err.path is None or err.path.startswith("/proc/self/fd/"):
             err.path = path
@@ -251,35 +246,29 @@ def dead_here(host: str, pid: int) -> bool:
     return host == socket.gethostname() and not procs.alive(pid)
 
 
-def sweep_temp_trees(out_fd: int, wanted: Callable[[str, int], bool] = dead_here) -> tuple[list[str], list[str]]:
-    """Remove the temp trees in the directory ``out_fd`` whose owner ``wanted(host, pid)`` picks:
+def sweep_temp_trees(out: Dir, wanted: Callable[[str, int], bool] = dead_here) -> tuple[list[str], list[str]]:
+    """Remove the temp trees in the directory ``out`` whose owner ``wanted(host, pid)`` picks:
     (names removed, refusals with their reasons). The one cleaner of abandoned conversions: each
     conversion runs it on its output directory before writing, and the daemon on the output
     directories of conversions it failed as abandoned. Descriptor-based throughout (``rmtree``
     with ``dir_fd`` never follows a link inside the tree; a symlink named like a tree is refused)."""
     removed: list[str] = []
     refused: list[str] = []
-    for name in os.listdir(out_fd):
+    for name in out.names():
         owner = temp_tree_owner(name)
         if owner is None or not wanted(*owner):
             continue
         try:
-            os.close(os.open(name, _DIR_FLAGS, dir_fd=out_fd))  # a real directory, not a link to one
-            shutil.rmtree(name, dir_fd=out_fd)
+            out.is_real_dir(name)  # not a link to one
+            out.remove_tree(name)
             removed.append(name)
         except FileNotFoundError:
             pass  # removed meanwhile (another daemon on a shared root)
+        except beneath.ConfinementError as err:
+            refused.append(f"{name}: not a directory ({err.message}); left alone")
         except OSError as err:
-            why = "not a directory (a symlink?)" if err.errno in (errno.ELOOP, errno.ENOTDIR) \
-                else f"cannot remove it ({err.strerror or err})"
-            refused.append(f"{name}: {why}; left alone")
+            refused.append(f"{name}: cannot remove it ({err.strerror or err}); left alone")
     return removed, refused
-
-
-def open_out_dir(out: str) -> int:
-    """OUT as the operator gave it, outside any checkpoint root (a symlink there is their choice)."""
-    os.makedirs(out, exist_ok=True)
-    return os.open(out, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
 
 
 def convert(
@@ -297,7 +286,7 @@ def convert(
     prefix: str = "checkpoint_",
     progress: Progress | None = None,
     plan: ConversionPlan | None = None,
-    out_fd: int | None = None,
+    out_handle: Dir | None = None,
     strategy_file: tuple[str, bytes] | None = None,
 ) -> ConvertReport:
     """Re-shard the checkpoints of ``src_dir`` (``rank_<r>/`` directories, or a MindFormers output
@@ -308,8 +297,8 @@ def convert(
     files is refused, with every disagreement, before ``out_dir`` is created. ``ranks`` converts only those destination ranks. ``progress(done, total)`` is
     called (from worker threads) with destination bytes produced so far. Raises
     :class:`ConvertError` (or another :class:`CkptdError`) with nothing renamed into ``out_dir``.
-    ``out_fd``: a descriptor of ``out_dir`` the caller opened (and closes): everything is written
-    relative to it (:func:`ckptd.confine.open_dir_beneath` below a checkpoint root).
+    ``out_handle``: ``out_dir`` as the caller opened it (and closes it): everything is written
+    relative to its descriptor (:meth:`ckptd.storage.PosixStorage.open_dir` below a checkpoint root).
     ``strategy_file``: ``(name, bytes)`` of the target strategy file, written into ``out_dir`` as
     part of the set (one already there with other bytes is refused before anything is written).
     The set is committed by its manifest, written last (:mod:`ckptd.convert.manifest`).
@@ -331,76 +320,63 @@ def convert(
         if bad:
             raise ConvertError(f"string entries {bad} cannot be stored in safetensors", hint="use --format ckpt")
     out = os.path.abspath(os.fspath(out_dir))
-    own_fd = out_fd is None
-    fd = open_out_dir(out) if out_fd is None else out_fd
-    try:
-        return _convert_into(plan, out, fd, key, out_key, out_format, prefix, workers, progress, t0, strategy_file)
-    finally:
-        if own_fd:
-            os.close(fd)
+    with Dir.open_given(out) if out_handle is None else contextlib.nullcontext(out_handle) as out_dir_:
+        return _convert_into(plan, out_dir_, key, out_key, out_format, prefix, workers, progress, t0, strategy_file)
 
 
-def check_strategy_slot(out_fd: int, out: str, name: str, content: bytes) -> bool:
+def check_strategy_slot(out: Dir, name: str, content: bytes) -> bool:
     """Whether ``OUT/name`` already holds exactly ``content`` (a copy converted before); False when
     absent. Anything else there -- other bytes, a planted symlink, FIFO or hard link -- is refused:
     never read into a catalog, followed, or replaced."""
-    if not confine.exists_at(out_fd, name):
+    if not out.exists(name):
         return False
-    path = os.path.join(out, name)
-    data, _ = confine.read_fd(confine.open_at(out_fd, name, path), path, len(content))
-    if data != content:
-        raise CkptdError("holds another strategy than this conversion's target; not replaced", path=path,
+    if out.read(name, len(content)) != content:
+        raise CkptdError("holds another strategy than this conversion's target; not replaced", path=out.child(name),
                          hint="remove it (after checking where it came from) and convert again")
     return True
 
 
-def _earlier_manifest(out_fd: int, out: str) -> tuple[Manifest | None, bytes | None]:
+def _earlier_manifest(out: Dir) -> tuple[Manifest | None, bytes | None]:
     """The manifest of a set committed in OUT before, and its bytes (ranks this conversion does not
     write keep their entries); a manifest that is not ckptd's is refused before anything is written."""
-    if not confine.exists_at(out_fd, MANIFEST_NAME):
+    if not out.exists(MANIFEST_NAME):
         return None, None
-    path = os.path.join(out, MANIFEST_NAME)
-    data, _ = confine.read_fd(confine.open_at(out_fd, MANIFEST_NAME, path), path, MAX_MANIFEST_BYTES)
-    return parse_manifest(data, path), data
+    data = out.read(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    return parse_manifest(data, out.child(MANIFEST_NAME)), data
 
 
-def undo_commit(out_fd: int, created: Sequence[str], earlier_manifest: bytes | None) -> None:
+def undo_commit(out: Dir, created: Sequence[str], earlier_manifest: bytes | None) -> None:
     """Take back a set renamed into OUT: the commit record first (the earlier set's manifest put
     back, or none), so nothing there ever claims files that are being removed; then what the set
     created. Through the descriptor: a symlink planted in its place is never followed."""
-    from ckptd.atomic import atomic_write
-
     with contextlib.suppress(OSError, CkptdError):
         if earlier_manifest is not None:
-            with atomic_write(MANIFEST_NAME, overwrite=True, dir_fd=out_fd) as fh:
+            with out.create(MANIFEST_NAME, overwrite=True) as fh:
                 fh.write(earlier_manifest)
         else:
-            os.unlink(MANIFEST_NAME, dir_fd=out_fd)
+            out.unlink(MANIFEST_NAME)
     for name in created:
         with contextlib.suppress(OSError):
             if name.startswith("rank_"):
-                shutil.rmtree(name, dir_fd=out_fd)
+                out.remove_tree(name)
             else:
-                os.unlink(name, dir_fd=out_fd)
+                out.unlink(name)
 
 
-def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None, out_key: bytes | None,
+def _convert_into(plan: ConversionPlan, out_dir: Dir, key: bytes | None, out_key: bytes | None,
                   out_format: OutFormat, prefix: str, workers: int | None, progress: Progress | None,
                   t0: float, strategy_file: tuple[str, bytes] | None) -> ConvertReport:
-    from ckptd.atomic import atomic_write
-
-    taken = [f"rank_{r.rank}" for r in plan.ranks if confine.exists_at(out_fd, f"rank_{r.rank}")]
+    out = out_dir.path
+    taken = [f"rank_{r.rank}" for r in plan.ranks if out_dir.exists(f"rank_{r.rank}")]
     if taken:
         raise ConvertError(f"refusing to overwrite existing {taken}", path=out,
                            hint="choose an empty output directory or remove those rank directories")
     if strategy_file is not None:
-        check_strategy_slot(out_fd, out, *strategy_file)
-    earlier, earlier_bytes = _earlier_manifest(out_fd, out)
-    sweep_temp_trees(out_fd)
+        check_strategy_slot(out_dir, *strategy_file)
+    earlier, earlier_bytes = _earlier_manifest(out_dir)
+    sweep_temp_trees(out_dir)
     tmp_name = f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp_root = os.path.join(out, tmp_name)
-    os.mkdir(tmp_name, 0o700, dir_fd=out_fd)
-    tmp_fd = os.open(tmp_name, _DIR_FLAGS, dir_fd=out_fd)
+    tmp = out_dir.mkdir(tmp_name)
     total = sum(r.bytes_out for r in plan.ranks)
     done = [0]
     lock = threading.Lock()
@@ -423,7 +399,7 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
     created: list[str] = []  # names renamed into OUT by this conversion
     try:
         with ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="ckptd-convert") as pool:
-            futs = [pool.submit(_convert_rank, rp, sources, tmp_fd, tmp_root, prefix, out_format, out_key, stop, tick,
+            futs = [pool.submit(_convert_rank, rp, sources, tmp, prefix, out_format, out_key, stop, tick,
                                 buffer_sets)
                     for rp in plan.ranks]
             finished, _ = wait(futs, return_when=FIRST_EXCEPTION)
@@ -437,14 +413,14 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
                 raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
             reports = [f.result() for f in futs]
         if strategy_file is not None:
-            with atomic_write(strategy_file[0], dir_fd=tmp_fd) as fh:
+            with tmp.create(strategy_file[0]) as fh:
                 fh.write(strategy_file[1])
-        os.fsync(tmp_fd)
+        tmp.fsync()
         for rep in reports:
             name = f"rank_{rep.rank}"
             dest = os.path.join(out, name)
             try:
-                confine.rename_noreplace(tmp_fd, name, out_fd, name)
+                tmp.move_into(name, out_dir)
             except FileExistsError:
                 raise ConvertError(f"{dest} appeared during the conversion; refusing to replace it", path=dest) from None
             created.append(name)
@@ -455,27 +431,28 @@ def _convert_into(plan: ConversionPlan, out: str, out_fd: int, key: bytes | None
         if strategy_file is not None:
             name, content = strategy_file
             try:
-                confine.rename_noreplace(tmp_fd, name, out_fd, name)
+                tmp.move_into(name, out_dir)
                 created.append(name)
             except FileExistsError:  # there already: the same bytes (a copy converted before), or refused
-                check_strategy_slot(out_fd, out, name, content)
+                check_strategy_slot(out_dir, name, content)
             files.append(ManifestFile(name, None, len(content), xxhash.xxh3_128_hexdigest(content)))
-        os.fsync(out_fd)
+        out_dir.fsync()
         manifest = Manifest(tuple(files), out_format, out_key is not None, plan.src_strategy_hash,
                             plan.dst_strategy_hash).merged(earlier)
-        with atomic_write(MANIFEST_NAME, overwrite=True, dir_fd=out_fd) as fh:  # the commit
+        with out_dir.create(MANIFEST_NAME, overwrite=True) as fh:  # the commit
             fh.write(manifest.to_json())
     except BaseException:
         stop.set()
         if created:  # renamed in, maybe committed (the directory's fsync failed): nothing that looks finished stays
-            undo_commit(out_fd, created, earlier_bytes)
+            undo_commit(out_dir, created, earlier_bytes)
         raise
     finally:
         sources.close()
-        os.close(tmp_fd)
-        shutil.rmtree(tmp_name, dir_fd=out_fd, ignore_errors=True)
+        tmp.close()
         with contextlib.suppress(OSError):
-            os.fsync(out_fd)
+            out_dir.remove_tree(tmp_name)
+        with contextlib.suppress(OSError):
+            out_dir.fsync()
     if progress is not None:
         progress(total, total)
     return ConvertReport(out, plan, tuple(final), time.monotonic() - t0, out_format, out_key is not None, manifest,

@@ -19,35 +19,39 @@ import json
 import math
 import os
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.convert.plan import ConvertError
 from ckptd.errors import CkptdError, LayoutError, StrategyError
 from ckptd.format import mf2
 from ckptd.format.layout import TensorLayout
 from ckptd.format.strategy import Strategy
 from ckptd.format.strategy_types import ParamStrategy
+from ckptd.storage import PosixStorage
 
 
 def is_iteration_dir(path: str) -> bool:
     return runlayout.parse_iteration_dir(os.path.basename(os.path.normpath(path))) is not None
 
 
-def iteration_source(it_dir: str) -> tuple[dict[int, tuple[str, ...]], Strategy | None]:
-    """``(source rank -> its files, source strategy)`` of an iteration directory."""
+def iteration_source(it_dir: str, store: PosixStorage | None = None,
+                     ) -> tuple[dict[int, tuple[str, ...]], Strategy | None]:
+    """``(source rank -> its files, source strategy)`` of an iteration directory, read through
+    ``store`` (the daemon's checkpoint root; by default the directory holding ``it_dir``, the
+    operator's own path: nothing below it is followed through a symlink either way)."""
     it_dir = os.path.abspath(it_dir)
+    store = store or PosixStorage(os.path.dirname(it_dir))
     meta_path = os.path.join(it_dir, runlayout.MF2_METADATA)
-    if not os.path.exists(meta_path):
-        names = sorted(n for n in os.listdir(it_dir) if runlayout.parse_iteration_file("", 0, n) is not None
+    if not store.exists(meta_path):
+        names = sorted(n for n in store.list(it_dir) if runlayout.parse_iteration_file("", 0, n) is not None
                        and n.endswith(".safetensors"))
         if not names:
             raise ConvertError("no Checkpoint 2.0 model or optimizer file in the iteration directory", path=it_dir)
         return {0: tuple(os.path.join(it_dir, n) for n in names)}, None
-    root = os.path.dirname(it_dir)
-    meta = mf2.parse_metadata(confine.read_beneath(root, meta_path, mf2.MAX_METADATA_BYTES), meta_path)
+    meta = mf2.parse_metadata(store.read(meta_path, mf2.MAX_METADATA_BYTES), meta_path)
     files: dict[int, set[str]] = {}
     for p in meta.placements:
         files.setdefault(p.storage_rank, set()).add(p.file_name)
-    missing = sorted({n for names in files.values() for n in names if not os.path.isfile(os.path.join(it_dir, n))})
+    missing = sorted({n for names in files.values() for n in names if not store.exists(os.path.join(it_dir, n))})
     if missing:
         raise ConvertError(f"metadata.json names files that are not there: {missing[:5]}", path=it_dir,
                            hint="convert a verified iteration (ckptd convert --run R --step S checks this first)")

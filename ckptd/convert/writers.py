@@ -83,7 +83,7 @@ class OutFile:
     def __init__(self, path: str, *, dir_fd: int | None = None) -> None:
         """A new file: ``path``, or with ``dir_fd`` the file named ``basename(path)`` in that
         directory descriptor (``path`` then only names it in messages): the executor writes by
-        descriptor, so a directory swapped for a symlink cannot redirect it (``ckptd.confine``)."""
+        descriptor, so a directory swapped for a symlink cannot redirect it (``ckptd.storage``)."""
         self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         self.fd = os.open(path if dir_fd is None else os.path.basename(path), flags, 0o644, dir_fd=dir_fd)

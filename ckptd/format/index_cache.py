@@ -6,7 +6,7 @@ parsing the protobuf records is most of the cost. An :class:`IndexCache` passed 
 ``open_checkpoint`` lets the later opens reuse the first parse.
 
 A hit requires the same (device, inode, size, mtime, ctime) *of the open descriptor* — not the
-same name: the daemon opens shards through ``/proc/self/fd`` names (:mod:`ckptd.confine`). Any
+same name: the daemon opens shards through ``/proc/self/fd`` names (:mod:`ckptd.storage.beneath`). Any
 write through the file system changes mtime and ctime, and putting an old mtime back (``utime``)
 changes ctime, so a cached index always describes the bytes as they were written. Damage below the
 file system (bit rot) is invisible to an index anyway; CRCs and digests read the bytes every time.

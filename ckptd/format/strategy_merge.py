@@ -34,7 +34,7 @@ import numbers
 import os
 from typing import Iterable, Mapping
 
-from ckptd import confine
+from ckptd.storage import beneath
 from ckptd.errors import StrategyError
 from ckptd.format.layout import TensorLayout
 from ckptd.format.limits import DEFAULT_STRATEGY_LIMITS, StrategyLimitError, StrategyLimits
@@ -327,10 +327,10 @@ def load_rank_strategies(
 
 def _read_regular(path: str, max_bytes: int) -> bytes:
     """The bytes of a regular file of the strategy directory, opened by ckptd's one confinement
-    rule (``ckptd.confine``: no symlink, no FIFO or device, never blocks), within ``max_bytes``."""
+    rule (``ckptd.storage.beneath``: no symlink, no FIFO or device, never blocks), within ``max_bytes``."""
     try:
-        fd = confine.open_beneath(os.path.dirname(path), path)
-    except confine.ConfinementError:
+        fd = beneath.open_beneath(os.path.dirname(path), path)
+    except beneath.ConfinementError:
         raise _not_regular(path) from None
     except OSError as err:
         raise StrategyError(f"cannot read strategy file: {err.strerror or err}", path=path) from None

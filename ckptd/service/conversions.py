@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import jobrows, repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, StrategyFile, as_utc
 from ckptd.convert.iteration_source import iteration_source
@@ -41,6 +41,8 @@ from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_st
 from ckptd.service.verifier import stat_of
 from ckptd.split import ParallelSplit
 from ckptd.states import ShardState, StepState
+from ckptd.storage import ConfinementError, PosixStorage
+from ckptd.storage.dirs import Dir
 
 CONVERT_LEASE = timedelta(hours=2)
 log = logging.getLogger("ckptd.conversions")
@@ -63,7 +65,7 @@ def check_source(s: Session, run_name: str, step: int) -> tuple[Checkpoint, dict
     return ckpt, files, strategy
 
 
-def check_request(s: Session, root: str, run_name: str, step: int, *, split: ParallelSplit | None,
+def check_request(s: Session, store: PosixStorage, run_name: str, step: int, *, split: ParallelSplit | None,
                   to_strategy: str | None) -> None:
     """Everything wrong with a conversion request that is known before a job runs, refused (400 /
     404) before one is queued: both or neither target, a ``to_strategy`` outside the root, no
@@ -71,7 +73,7 @@ def check_request(s: Session, root: str, run_name: str, step: int, *, split: Par
     bytes bound (:func:`_check_layout_bytes`). (A split's text was parsed at the edge.)"""
     if (split is None) == (to_strategy is None):
         raise InvalidRequestError("give exactly one of to_layout / to_strategy")
-    if to_strategy not in (None, "none") and not runlayout.resolves_inside(root, to_strategy):
+    if to_strategy not in (None, "none") and not runlayout.resolves_inside(store.root, to_strategy):
         raise InvalidRequestError("to_strategy must be a file inside the checkpoint root", hint="copy it under the run directory")
     ckpt, _, strat_row = check_source(s, run_name, step)
     if split is not None:
@@ -174,7 +176,7 @@ def split_target(strategy: StrategyFile | None, world: int | None, split: Parall
 
 
 def resolve_target(src: Strategy | None, to_strategy: str | None, split: ParallelSplit | None,
-                   root: str) -> Strategy | None:
+                   store: PosixStorage) -> Strategy | None:
     if (to_strategy is None) == (split is None):
         raise InvalidRequestError("give exactly one of to_strategy / to_layout")
     if split is not None:
@@ -183,30 +185,30 @@ def resolve_target(src: Strategy | None, to_strategy: str | None, split: Paralle
         if src is None:
             raise InvalidRequestError("to_layout needs a source strategy file", hint="use to_strategy")
         return derive_strategy(src, split.tp, split.dp, split.pp)
-    return None if to_strategy == "none" else _load_strategy(root, to_strategy)
+    return None if to_strategy == "none" else _load_strategy(store, to_strategy)
 
 
-def _load_strategy(root: str, path: str) -> Strategy:
-    """A strategy file below the root is read only through :mod:`ckptd.confine` (a FIFO there must
+def _load_strategy(store: PosixStorage, path: str) -> Strategy:
+    """A strategy file below the root is read only through the confined store (a FIFO there must
     not block the job thread, a symlink must not be followed); one outside it (``ckptd convert
     --run --to-strategy``: the operator's own file; the API refuses those) by name."""
-    if runlayout.relative_parts(root, path) is None:
+    if runlayout.relative_parts(store.root, path) is None:
         return load_strategy(path)
-    return parse_strategy_bytes(confine.read_beneath(root, path, MAX_STRATEGY_BYTES), path)
+    return parse_strategy_bytes(store.read(path, MAX_STRATEGY_BYTES), path)
 
 
-def _confined_sources(stack: contextlib.ExitStack, root: str, files: dict) -> dict:
-    """The step's source files opened through :mod:`ckptd.confine`, held open by ``stack`` for the
+def _confined_sources(stack: contextlib.ExitStack, store: PosixStorage, files: dict) -> dict:
+    """The step's source files opened through the confined store, held open by ``stack`` for the
     whole conversion: the readers get names of the descriptors (a shard swapped for a FIFO or
     symlink since it was verified is refused here, never opened by name)."""
     def one(path: str) -> str:
-        return stack.enter_context(confine.opened(root, path))
+        return stack.enter_context(store.opened(path))
     return {rank: one(f) if isinstance(f, str) else [one(p) for p in f] for rank, f in files.items()}
 
 
 def convert_step(
     sessions: sessionmaker[Session],
-    root: str,
+    store: PosixStorage,
     run_name: str,
     step: int,
     *,
@@ -241,35 +243,34 @@ def convert_step(
     stack = contextlib.ExitStack()  # the confined source descriptors, held until the copy is written
     try:
         if iteration:  # a verified Checkpoint 2.0 iteration: its files per rank and layout from metadata.json
-            files, src_strategy = iteration_source(os.path.dirname(next(iter(files.values()))))
+            files, src_strategy = iteration_source(os.path.dirname(next(iter(files.values()))), store)
             src_hash = src_strategy.content_hash() if src_strategy is not None else "none"
         else:  # the strategy the step was saved with, as catalogued (the file may have been overwritten since)
             src_strategy = parse_strategy_bytes(src_content, src_path) if src_content is not None \
-                else _load_strategy(root, src_path)
-        target = resolve_target(src_strategy, to_strategy, split, root)
+                else _load_strategy(store, src_path)
+        target = resolve_target(src_strategy, to_strategy, split, store)
         target_hash = target.content_hash() if target is not None else "none"
-        out = out_dir or os.path.join(root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
+        out = out_dir or os.path.join(store.root, run_name, "converted", f"{meta[3]}-{target_hash.split(':')[-1][:12]}")
         node = node or repo.LOCAL.node
         with sessions.begin() as s:
-            reused = _intact_copy(s, src_id, target_hash, out)
+            reused = _intact_copy(s, store, src_id, target_hash, out)
             if reused is not None:  # converting the same step into the same layout again: it is done
                 return reused
-            blocked = copies.blocking_copy(s, meta, target_hash, node)  # a lost copy is replaced, a whole one kept
+            blocked = copies.blocking_copy(s, store, meta, target_hash, node)  # a lost copy is replaced, a whole one kept
         if blocked is not None:
             raise InvalidRequestError(blocked, hint="a copy's files may be deleted with the step (ckptd gc) or by hand")
-        below_root = runlayout.relative_parts(root, out) is not None
+        below_root = runlayout.relative_parts(store.root, out) is not None
         if below_root:  # refused early (nothing created) when a component is a symlink
-            confine.check_dir_beneath(root, out)
-        sources = _confined_sources(stack, root, files)
+            store.check_dir(out)
+        sources = _confined_sources(stack, store, files)
         plan = plan_conversion(read_inventory(sources, key), src_strategy, target, subset=iteration)
-        # the whole copy is written through this descriptor (ckptd.service.copies, ckptd.confine)
-        out_fd = copies.open_output(root, out)
-        stack.callback(os.close, out_fd)
+        # the whole copy is written through this descriptor (ckptd.service.copies)
+        out_handle = stack.enter_context(copies.open_output(store, out))
         strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
         strategy_bytes = encode_strategy(target, "proto") if target is not None else None  # strategy.ckpt: protobuf
         strategy_file = (os.path.basename(strategy_path), strategy_bytes) if target is not None else None
         if strategy_file is not None:  # refused before a job row exists (convert checks again before writing)
-            check_strategy_slot(out_fd, out, *strategy_file)
+            check_strategy_slot(out_handle, *strategy_file)
         with sessions.begin() as s:
             row = ConversionJob(run_id=meta[0], source_checkpoint_id=src_id, source_strategy_hash=src_hash,
                                 target_strategy_hash=target_hash, out_dir=out, state="running")
@@ -288,17 +289,17 @@ def convert_step(
         report = None
         try:
             report = convert(None, src_strategy, target, out, plan=plan, key=key, out_key=out_key,
-                             workers=workers, progress=progress, out_fd=out_fd, strategy_file=strategy_file)
-            if below_root and not confine.same_dir(root, out, out_fd):
-                raise confine.ConfinementError("the output directory was moved or replaced during the conversion; "
+                             workers=workers, progress=progress, out_handle=out_handle, strategy_file=strategy_file)
+            if below_root and not store.same_dir(out, out_handle.fd):
+                raise ConfinementError("the output directory was moved or replaced during the conversion; "
                                                "the copy is not catalogued", path=out,
                                                hint="something else writes there: find out what before converting again")
-            derived = copies.register(sessions, meta, src_id, target, target_hash,
+            derived = copies.register(sessions, store, meta, src_id, target, target_hash,
                                       (strategy_path, strategy_bytes) if target is not None else None,
                                       copies.written_files(report), report.out_format, report.encrypted, node)
         except BaseException as exc:
             if report is not None:  # written but not catalogued: nothing that looks like a finished copy stays
-                copies.discard(out_fd, report)
+                copies.discard(out_handle, report)
             error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
             with sessions.begin() as s:
                 row = s.get(ConversionJob, conv_id)
@@ -325,7 +326,7 @@ def convert_step(
                 src.lease_until = None
 
 
-def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
+def _intact_copy(s: Session, store: PosixStorage, src_id: int, target_hash: str, out: str) -> dict[str, Any] | None:
     """The finished conversion of this step into this layout at ``out``, if its files are still
     the ones catalogued (converted copies are not watched, so check size/mtime/inode here)."""
     copy = jobrows.verified_copy(s, src_id, target_hash)
@@ -335,7 +336,7 @@ def _intact_copy(s: Session, src_id: int, target_hash: str, out: str) -> dict[st
     if job is None:
         return None
     shards = jobrows.shard_stats(s, copy.id)
-    if not shards or any(stat_of(p) != repo.FileStat(size, mtime, inode) for p, size, mtime, inode in shards):
+    if not shards or any(stat_of(store, p) != repo.FileStat(size, mtime, inode) for p, size, mtime, inode in shards):
         return None  # changed or gone: converting again will say what is in the way
     return conversion_dict(job, s) | {"reused": True}
 
@@ -364,7 +365,7 @@ def list_conversions(s: Session, run_name: str) -> list[dict[str, Any]]:
 # --- conversions left by a dead process ----------------------------------------------------------
 
 
-def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict[str, Any], *,
+def recover_conversions(sessions: sessionmaker[Session], store: PosixStorage, report: dict[str, Any], *,
                         now: datetime | None = None, sweep_earlier: bool = True) -> dict[str, Any]:
     """Fail the queued/running conversions whose job is no longer live (its process is gone:
     :func:`ckptd.service.jobs.recover_abandoned` failed it first) and remove their temp trees.
@@ -424,7 +425,7 @@ def recover_conversions(sessions: sessionmaker[Session], root: str, report: dict
     for conv_id, out, wanted in cleanups:
         if os.path.abspath(out) in busy_dirs:
             continue  # a live conversion writes there: its trees are not ours to judge by name
-        removed, refused, partial = _remove_temp_trees(root, out, wanted)
+        removed, refused, partial = _remove_temp_trees(store, out, wanted)
         report["removed"] += removed
         if conv_id is not None:  # said once, when the conversion is failed; not at every start after
             report["refused"] += refused
@@ -458,28 +459,28 @@ def _temp_of(owner: dict[str, Any] | None) -> Callable[[str, int], bool]:
     return dead_here  # no owner recorded: this host's trees whose process is gone (as convert itself does)
 
 
-def _remove_temp_trees(root: str, out: str, wanted: Callable[[str, int], bool]) -> tuple[list[str], list[str], list[str]]:
+def _remove_temp_trees(store: PosixStorage, out: str, wanted: Callable[[str, int], bool]) -> tuple[list[str], list[str], list[str]]:
     """Remove the temp trees ``wanted`` picks in ``out`` (the one cleaner,
     :func:`ckptd.convert.execute.sweep_temp_trees`, on a descriptor of ``out`` reached beneath
-    ``root`` without a symlink): (removed paths, refusals, rank directories present in ``out``)."""
+    the root without a symlink): (removed paths, refusals, rank directories present in ``out``)."""
     from ckptd.convert.execute import sweep_temp_trees
 
     # An OSError is a refusal with its reason, never a reason for the daemon not to start.
     try:
-        fd = confine.open_dir_beneath(root, out)
+        out_dir = Dir(store.open_dir(out), out, owned=True)
     except FileNotFoundError:
         return [], [], []
-    except (confine.ConfinementError, OSError) as err:
-        why = ("outside the checkpoint root or reached through a symlink" if isinstance(err, confine.ConfinementError)
+    except (ConfinementError, OSError) as err:
+        why = ("outside the checkpoint root or reached through a symlink" if isinstance(err, ConfinementError)
                else f"cannot open it ({err.strerror or err})")
         return [], [f"{out}: {why}; temp data of the abandoned conversion there was not removed"], []
     try:
-        removed, refused = sweep_temp_trees(fd, wanted)
-        names = os.listdir(fd)
+        removed, refused = sweep_temp_trees(out_dir, wanted)
+        names = out_dir.names()
     except OSError as err:
         return [], [f"{out}: cannot list it ({err.strerror or err}); temp data of the abandoned conversion there "
                     "was not removed"], []
     finally:
-        os.close(fd)
+        out_dir.close()
     return ([os.path.join(out, n) for n in removed], [os.path.join(out, r) for r in refused],
             sorted(n for n in names if runlayout.parse_rank_dir(n) is not None))

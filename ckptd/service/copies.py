@@ -1,10 +1,10 @@
 """A converted copy's files and rows: where it is written, its strategy file, its catalog rows.
 
 A conversion below the checkpoint root writes through one descriptor of its output directory,
-opened from the root without following a symlink (:func:`open_output`, ``ckptd.confine``): the
+opened from the root without following a symlink (:func:`open_output`, the confined store): the
 executor creates, fsyncs and renames everything relative to it -- rank directories, the strategy
 file, and last the set's manifest, its commit (:mod:`ckptd.convert.manifest`) -- and before the
-copy is catalogued :func:`ckptd.confine.same_dir` checks that the output path still names that
+copy is catalogued :meth:`ckptd.storage.PosixStorage.same_dir` checks that the output path still names that
 directory (one moved away mid-conversion is not catalogued: what it created is removed again,
 manifest first, through the descriptor). What the catalog stores is what ckptd wrote -- the
 strategy bytes it encoded, each file's digest taken while writing it and its stat -- never what a
@@ -26,11 +26,13 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import jobrows, reads, repo
 from ckptd.catalog.models import Checkpoint, Shard
 from ckptd.service.catalog import InvalidRequestError
 from ckptd.service.verifier import stat_of
+from ckptd.storage import PosixStorage
+from ckptd.storage.dirs import Dir
 from ckptd.states import ShardState, StepState
 
 LOST_STATES = (StepState.DELETED.value, StepState.INCOMPLETE.value, StepState.CORRUPT.value)
@@ -44,14 +46,12 @@ class WrittenFile:
     digest: str
 
 
-def open_output(root: str, out: str) -> int:
-    """A descriptor of the output directory, created if missing: below the root every component
-    a real directory reached from the root's descriptor; elsewhere (the operator's ``--out``) as given."""
-    if runlayout.relative_parts(root, out) is not None:
-        return confine.open_dir_beneath(root, out, create=True)
-    from ckptd.convert.execute import open_out_dir
-
-    return open_out_dir(out)
+def open_output(store: PosixStorage, out: str) -> Dir:
+    """The output directory, open and created if missing: below the root every component a real
+    directory reached from the root's descriptor; elsewhere (the operator's ``--out``) as given."""
+    if runlayout.relative_parts(store.root, out) is not None:
+        return Dir(store.open_dir(out, create=True), out, owned=True)
+    return Dir.open_given(out)
 
 
 def written_files(report: Any) -> list[WrittenFile]:
@@ -61,12 +61,12 @@ def written_files(report: Any) -> list[WrittenFile]:
     return [WrittenFile(r.rank, r.path, repo.FileStat(r.bytes, r.mtime_ns, r.inode), r.digest) for r in report.ranks]
 
 
-def discard(out_fd: int, report: Any) -> None:
+def discard(out: Dir, report: Any) -> None:
     """Take back a written set that failed to be catalogued (:func:`ckptd.convert.execute.undo_commit`:
     its manifest first -- an earlier set's put back -- then what it created)."""
     from ckptd.convert.execute import undo_commit
 
-    undo_commit(out_fd, report.created, report.earlier_manifest)
+    undo_commit(out, report.created, report.earlier_manifest)
 
 
 def _copy_of(s: Session, meta: tuple, target_hash: str, lock: bool = False) -> Checkpoint | None:
@@ -74,14 +74,14 @@ def _copy_of(s: Session, meta: tuple, target_hash: str, lock: bool = False) -> C
     return jobrows.copy_row(s, run_id, prefix, epoch, step, target_hash, lock)
 
 
-def blocking_copy(s: Session, meta: tuple, target_hash: str, node: str) -> str | None:
+def blocking_copy(s: Session, store: PosixStorage, meta: tuple, target_hash: str, node: str) -> str | None:
     """Why the existing copy of this step in this layout may not be replaced, or None (there is
     none, or it is lost)."""
     copy = _copy_of(s, meta, target_hash)
-    return None if copy is None else _why_kept(s, copy, node)
+    return None if copy is None else _why_kept(s, store, copy, node)
 
 
-def _why_kept(s: Session, copy: Checkpoint, node: str) -> str | None:
+def _why_kept(s: Session, store: PosixStorage, copy: Checkpoint, node: str) -> str | None:
     if copy.state in LOST_STATES:
         return None  # the daemon judged its files: gone or broken
     rows = jobrows.shard_stats_and_nodes(s, copy.id)
@@ -91,12 +91,12 @@ def _why_kept(s: Session, copy: Checkpoint, node: str) -> str | None:
     others = sorted({n for *_, n in rows if n not in (None, node)})
     if others:
         return f"this step is converted to this layout already, on node {others[0]} ({where}): not this node's to replace"
-    if rows and all(stat_of(p) == repo.FileStat(size, mtime, inode) for p, size, mtime, inode, _ in rows):
+    if rows and all(stat_of(store, p) == repo.FileStat(size, mtime, inode) for p, size, mtime, inode, _ in rows):
         return f"this step is converted to this layout already, at {where}: use that copy, or delete it to convert again"
     return None  # this node's files changed or gone: lost
 
 
-def register(sessions: sessionmaker[Session], meta: tuple, src_id: int, target: Any, target_hash: str,
+def register(sessions: sessionmaker[Session], store: PosixStorage, meta: tuple, src_id: int, target: Any, target_hash: str,
              strategy: tuple[str, bytes] | None, files: list[WrittenFile], out_format: str, encrypted: bool,
              node: str) -> int:
     """Catalogue the copy (its files are on the disk of ``node``, the node that wrote them),
@@ -112,7 +112,7 @@ def register(sessions: sessionmaker[Session], meta: tuple, src_id: int, target: 
         ckpt = _copy_of(s, meta, target_hash, lock=True)
         replaced = None
         if ckpt is not None:
-            why = _why_kept(s, ckpt, node)
+            why = _why_kept(s, store, ckpt, node)
             if why is not None:  # registered meanwhile by another conversion
                 raise InvalidRequestError(why)
             replaced = ckpt.state

@@ -10,7 +10,6 @@ rule out every checkpoint after it for good.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -18,26 +17,16 @@ from sqlalchemy.orm import Session
 from ckptd.catalog import reads
 from ckptd.catalog.repo import get_or_create_run
 from ckptd.service.catalog import NotFoundError, get_run, report_health
+from ckptd.storage import PosixStorage
 
 
-def run_directory(root: str, run_name: str) -> str | None:
-    """``<root>/<run>`` if it is a directory itself (not a symlink to one), else None.
-
-    ``run_name`` is a validated name (no separators, never ``..``)."""
-    path = os.path.join(root, run_name)
-    try:
-        return path if stat.S_ISDIR(os.lstat(path).st_mode) else None
-    except (OSError, ValueError):
-        return None
-
-
-def report(s: Session, root: str, run_name: str, step: int, loss: float | None, grad_norm: float | None,
+def report(s: Session, store: PosixStorage, run_name: str, step: int, loss: float | None, grad_norm: float | None,
            overflow: bool) -> None:
     if reads.run_named(s, run_name) is None:
-        path = run_directory(root, run_name)
-        if path is None:
+        path = os.path.join(store.root, run_name)  # a validated name: no separators, never ".."
+        if not store.is_dir(path):  # a directory itself, not a symlink to one
             raise NotFoundError(
-                f"ckptd has not seen a run named {run_name!r}: {os.path.join(root, run_name)} is not a directory",
+                f"ckptd has not seen a run named {run_name!r}: {path} is not a directory",
                 hint="health is reported for a run's directory under the checkpoint root; create it (the trainer's "
                      "launcher does) or check the run name",
             )

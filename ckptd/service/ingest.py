@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-import stat as stat_mod
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import layout_history, reads, repo, scanrows, verdicts
 from ckptd.catalog.nodes import NodeView
 from ckptd.catalog.models import Run, StrategyFile
@@ -28,8 +28,9 @@ from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, encode_strategy, parse_strategy_bytes
 from ckptd.service import iteration, rank_strategies, replaced, runhints, shardopen
-from ckptd.settings import Settings
+from ckptd.service.verifier import ShardRules
 from ckptd.states import RESAVABLE_KINDS, ShardState, StepState, awaits_verification
+from ckptd.storage import ConfinementError
 
 log = logging.getLogger("ckptd.ingest")
 _BATCH = 512  # shard paths a rescan examines per batch
@@ -46,24 +47,28 @@ class ScanReport:
 class Ingestor:
     def __init__(
         self,
-        settings: Settings,
+        rules: ShardRules,
         sessions: sessionmaker[Session],
         submit: Callable[..., None],
         submit_step: Callable[[int], None],
+        nodes: NodeView,
+        *,
+        settle_seconds: float = 2.0,
+        world_size: int | None = None,
         index_cache: IndexCache | None = None,
-        nodes: NodeView | None = None,
     ) -> None:
-        self.root = str(settings.root)
-        self.settings = settings
+        self.store = rules.store
+        self.root = rules.store.root
         self.sessions = sessions
         self.submit = submit  # shards need verification (``Verifier.submit``)
         self.submit_step = submit_step  # a step may be ready for its step-level checks
-        self.key = settings.encryption_key()
-        self.stamp = settings.verification_stamp()
+        self.key, self.stamp = rules.key, rules.stamp
+        self.settle_seconds = settle_seconds  # a writable file must be unchanged this long
+        self.world_size = world_size  # the configured world size: used when no strategy file says it
         self.index_cache = index_cache  # shared with the verifier: its opens reuse ingest's parse
         self._ignored: dict[str, str] = {}  # path -> why, so each reason is logged once
         # only the node that sees a file judges it (docs/ARCHITECTURE.md, Nodes)
-        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
+        self.nodes = nodes
 
     def note_ignored(self, path: str, why: str) -> None:
         """A path that looks like ours but is not taken: say why, once per path and reason."""
@@ -87,7 +92,7 @@ class Ingestor:
         owner = self.nodes.owner()
         known = self._known_stats()
         try:
-            runs = sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+            runs = sorted(e.name for e in self.store.entries(self.root) if e.kind == "dir" and not e.name.startswith("."))
         except FileNotFoundError:
             runs = []
         for run in [r for r in runs if runlayout.unusable_name(r)]:
@@ -103,28 +108,28 @@ class Ingestor:
             for path, why in listed.refused.items():
                 self.note_ignored(path, f"directory skipped: {why}")
             for shard_dir in listed.shard_dirs:
-                with os.scandir(shard_dir) as it:
-                    for entry in it:
-                        if should_stop():
-                            return report  # the catalog is unchanged by what was not examined
-                        why = listed.layout.unusable_name(entry.name)
-                        if why is not None and not runlayout.is_in_flight(entry.name):
-                            self.note_ignored(entry.path, why)
-                            continue
-                        if isinstance(runlayout.classify(self.root, entry.path), runlayout.ShardName):
-                            report.shards_seen += 1
-                            seen.add(entry.path)
-                            row = known.get(entry.path)
-                            if row is not None and row[5] != owner.node and owner.may_take(row[5]):
-                                claim.append(entry.path)
-                            state = self._unchanged(entry, known)
-                            if state is None:
-                                todo.append(entry.path)
-                            elif state[1] == ShardState.COMPLETE.value:
-                                requeue.append(state[0])  # parsed at ingest, not verified yet (e.g. a crash)
-                            if len(todo) >= _BATCH:
-                                self._tally(self.examine_many(todo), report)
-                                todo = []
+                for entry in self.store.entries(shard_dir):
+                    if should_stop():
+                        return report  # the catalog is unchanged by what was not examined
+                    path = os.path.join(shard_dir, entry.name)
+                    why = listed.layout.unusable_name(entry.name)
+                    if why is not None and not runlayout.is_in_flight(entry.name):
+                        self.note_ignored(path, why)
+                        continue
+                    if isinstance(runlayout.classify(self.root, path), runlayout.ShardName):
+                        report.shards_seen += 1
+                        seen.add(path)
+                        row = known.get(path)
+                        if row is not None and row[5] != owner.node and owner.may_take(row[5]):
+                            claim.append(path)
+                        state = self._unchanged(path, known)
+                        if state is None:
+                            todo.append(path)
+                        elif state[1] == ShardState.COMPLETE.value:
+                            requeue.append(state[0])  # parsed at ingest, not verified yet (e.g. a crash)
+                        if len(todo) >= _BATCH:
+                            self._tally(self.examine_many(todo), report)
+                            todo = []
         self._tally(self.examine_many(todo), report)
         if requeue:
             self.submit(requeue, if_unverified=True)  # the verifier ignores ids it already has queued or in hand
@@ -132,7 +137,7 @@ class Ingestor:
             self.submit_step(ckpt_id)  # shards all verified, step checks never ran (e.g. a crash)
         self._claim_seen(claim, owner)
         # catalogued files a rescan did not list but whose name still resolves: a rank directory became a symlink
-        replaced.mark_replaced(self.sessions, self.root, [p for p in known if p not in seen and os.path.lexists(p)], owner)
+        replaced.mark_replaced(self.sessions, self.store, [p for p in known if p not in seen and self.store.exists(p)], owner)
         report.shards_deleted = self._reconcile_deleted(seen, owner)
         return report
 
@@ -166,15 +171,13 @@ class Ingestor:
         like one waiting for verification, so the rescan re-queues it."""
         return ShardState.COMPLETE.value if awaits_verification(state, stamp, error_code, self.stamp) else state
 
-    @staticmethod
-    def _unchanged(entry: os.DirEntry, known: dict[str, tuple]) -> tuple[int, str] | None:
+    def _unchanged(self, path: str, known: dict[str, tuple]) -> tuple[int, str] | None:
         """(id, state) of the catalogued row if the file is the one catalogued, else None."""
-        row = known.get(entry.path)
+        row = known.get(path)
         if row is None:
             return None
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
+        st = self.store.stat(path)
+        if st is None:
             return None
         return (row[3], row[4]) if row[:3] == (st.st_size, st.st_mtime_ns, st.st_ino) else None
 
@@ -230,38 +233,37 @@ class Ingestor:
         ready: dict[tuple, list[tuple[runlayout.ShardName, repo.ShardFile, CkptdError | None]]] = {}
         vanished, swapped = [], []
         for path, name in shards.items():
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
+            st = self.store.stat(path)
+            if st is None:
                 vanished.append(path)
                 continue
-            if not stat_mod.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode):
                 self._ignore_unreadable(path, outcomes, swapped)
                 continue
             # MindSpore renames into place then chmods 0400; a writable file may still be growing
             # (an operator's cp), so it must be unchanged for settle_seconds first.
-            if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settings.settle_seconds and not os.path.exists(
+            if st.st_mode & 0o222 and time.time() - st.st_mtime < self.settle_seconds and not self.store.exists(
                 runlayout.sidecar_for(path)  # the trainer's "done" sidecar says the write is complete
             ):
                 outcomes[path] = "unsettled"
                 continue
             fstat = repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
             key = (name.run, name.prefix, name.epoch, name.step, name.kind, name.layout, name.incarnation)
-            # opened through ckptd.confine: a symlinked directory on the way, or a FIFO swapped in
-            # since the lstat, is refused, not followed or waited on
-            problem = shardopen.parse_error(self.root, path, self.key, self.index_cache)
-            if isinstance(problem, confine.ConfinementError):
+            # opened through the confined store: a symlinked directory on the way, or a FIFO
+            # swapped in since the lstat, is refused, not followed or waited on
+            problem = shardopen.parse_error(self.store, path, self.key, self.index_cache)
+            if isinstance(problem, ConfinementError):
                 self._ignore_unreadable(path, outcomes, swapped)
                 continue
             ready.setdefault(key, []).append((name, repo.ShardFile(name.rank, path, fstat, name.format), problem))
         if vanished:
             outcomes.update(self._vanished_many(vanished))
-        for path in replaced.mark_replaced(self.sessions, self.root, swapped, self.nodes.owner()):
+        for path in replaced.mark_replaced(self.sessions, self.store, swapped, self.nodes.owner()):
             outcomes[path] = "changed"  # a catalogued shard swapped for something never read
         for key in sorted(ready):  # one transaction per checkpoint: it locks that one row only
             outcomes.update(self._ingest_checkpoint(key, ready[key]))
         # after the registrations: a step's new files reset its reason
-        replaced.note_unread(self.sessions, {p: shards[p] for p in swapped if outcomes[p] == "ignored"})
+        replaced.note_unread(self.sessions, self.store, {p: shards[p] for p in swapped if outcomes[p] == "ignored"})
         return outcomes
 
     def _ignore_unreadable(self, path: str, outcomes: dict[str, str], swapped: list[str]) -> None:
@@ -281,14 +283,14 @@ class Ingestor:
                 run.path = os.path.join(self.root, run_name)
             if (recorded := runlayout.run_layout_after(run.layout, layout_name)) != run.layout:
                 run.layout = recorded  # a run holds one layout; a MindFormers tree is never taken for native
-            strategy = rank_strategies.current(s, self.root, run)
+            strategy = rank_strategies.current(s, self.store, run)
             expected = self._expected_ranks(run, strategy)
             ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, kind, expected)
             ckpt = repo.lock_checkpoint(s, ckpt.id)  # register_shards then locks its history before shards
             if ckpt.incarnation is None and incarnation is not None:
                 ckpt.incarnation = incarnation
             if layout.health_records and ckpt.health_reason is None and ckpt.state == StepState.INCOMPLETE.value:
-                runhints.apply_health(self.root, run, [ckpt])  # rank 0 writes the record before the save itself
+                runhints.apply_health(self.store, run, [ckpt])  # rank 0 writes the record before the save itself
             if strategy is not None and ckpt.strategy_id is None:
                 # a strategy file is authoritative over the rank-directory count
                 ckpt.strategy_id, ckpt.expected_ranks = strategy.id, strategy.world_size
@@ -320,7 +322,7 @@ class Ingestor:
             if any(reg.changed for reg in registered):
                 ckpt.step_checks_ok, ckpt.reason = None, None
                 if layout.iterations and missing:  # what an operator asks first about a partial save
-                    ckpt.reason = iteration.describe_missing(missing, iteration.in_flight(os.path.dirname(files[0][1].path)))
+                    ckpt.reason = iteration.describe_missing(missing, iteration.in_flight(self.store, os.path.dirname(files[0][1].path)))
             step_state = repo.recompute_step_state(s, ckpt)
             ckpt_id = ckpt.id
         if to_verify:
@@ -380,7 +382,7 @@ class Ingestor:
         prefix = self.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             known = scanrows.judged_paths_below(s, prefix, owner)
-        gone = [p for p in known if p not in seen and not os.path.exists(p)]
+        gone = [p for p in known if p not in seen and not self.store.exists(p)]
         return sum(outcome == "deleted" for outcome in self._vanished_many(gone).values())
 
     def _claim_seen(self, paths: list[str], owner: repo.Owner) -> None:
@@ -392,24 +394,22 @@ class Ingestor:
 
     # --- strategies ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _strategy_candidates(run_path: str) -> list[str]:
+    def _strategy_candidates(self, run_path: str) -> list[str]:
         out = []
         for base in (run_path, os.path.join(run_path, "strategy")):
-            if os.path.islink(base):
-                continue  # a strategy/ directory pointing elsewhere is never read (ckptd.confine)
+            if not self.store.is_dir(base):
+                continue  # a strategy/ directory pointing elsewhere is never read
             try:
-                with os.scandir(base) as it:
-                    out += [e.path for e in it if e.is_file(follow_symlinks=False)]
+                out += [os.path.join(base, e.name) for e in self.store.entries(base) if e.kind == "file"]
             except FileNotFoundError:
                 pass
         return sorted(out)
 
     def _ingest_strategy(self, run_name: str, path: str) -> str:
-        try:  # never through a symlink, never a FIFO or device (ckptd.confine)
-            content, st = confine.read_with_stat(self.root, path, MAX_STRATEGY_BYTES)
+        try:  # never through a symlink, never a FIFO or device
+            content, st = self.store.read_with_stat(path, MAX_STRATEGY_BYTES)
             mtime_ns = st.st_mtime_ns  # when this layout appeared, if it is new here
-        except confine.ConfinementError as err:
+        except ConfinementError as err:
             self.note_ignored(path, err.message)
             return "ignored"
         except OSError:
@@ -435,7 +435,7 @@ class Ingestor:
         """MindFormers' per-rank strategy files: this node's are recorded, the run's layout is the
         merge of every node's (``ckptd.service.rank_strategies``)."""
         with self.sessions.begin() as s:
-            run_id = rank_strategies.ingest(s, self.root, run_name).id
+            run_id = rank_strategies.ingest(s, self.store, run_name).id
         self._follow_layout_changes(run_id)
         return "same"
 
@@ -446,22 +446,20 @@ class Ingestor:
             if run is None:
                 return "same"  # no step yet: each new step reads the records itself
             steps = scanrows.steps_of_kinds(s, run.id, RESAVABLE_KINDS)
-            runhints.apply_health(self.root, run, steps)
+            runhints.apply_health(self.store, run, steps)
         return "same"
 
     def _expected_ranks(self, run: Run, strategy: StrategyFile | None) -> int | None:
         """Strategy file first, then configuration, then the rank directories that exist."""
         if strategy is not None:
             return strategy.world_size
-        if self.settings.world_size:
-            return self.settings.world_size
+        if self.world_size:
+            return self.world_size
         # rank directories holding a shard: an empty (or planted) rank_<n>/ is not a rank of the job
-        return sum(1 for d in runlayout.rank_dirs(run.path).values() if _holds_a_shard(d)) or None
+        return sum(1 for d in runlayout.rank_dirs(run.path).values() if self._holds_a_shard(d)) or None
 
-
-def _holds_a_shard(directory: str) -> bool:
-    try:
-        with os.scandir(directory) as it:
-            return any(e.name.endswith(runlayout.SHARD_SUFFIXES) for e in it)
-    except OSError:
-        return False
+    def _holds_a_shard(self, directory: str) -> bool:
+        try:
+            return any(e.name.endswith(runlayout.SHARD_SUFFIXES) for e in self.store.entries(directory))
+        except OSError:
+            return False

@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.errors import CkptdError
 from ckptd.format import mf2
 from ckptd.format.checkpoint import open_checkpoint
+from ckptd.storage import PosixStorage
 
 _MAX_TENSOR_PROBLEMS = 20  # per iteration: enough to see the pattern, bounded for a 70B metadata.json
 ABNORMAL_REASON = "common.json: ckpt_status=1 (MindFormers' health monitor flags this save as abnormal)"
@@ -55,11 +56,10 @@ def describe_missing(missing: list[str], in_flight: list[str]) -> str:
     return text
 
 
-def in_flight(directory: str) -> list[str]:
+def in_flight(store: PosixStorage, directory: str) -> list[str]:
     """``*.tmp`` files in an iteration directory: MindSpore writes ``<stem>.tmp``, then renames."""
     try:
-        with os.scandir(directory) as it:
-            return sorted(e.name for e in it if e.name.endswith(".tmp") and not e.name.startswith("."))
+        return sorted(e.name for e in store.entries(directory) if e.name.endswith(".tmp") and not e.name.startswith("."))
     except OSError:
         return []
 
@@ -87,10 +87,10 @@ def required_by_names(file_names: Iterable[str]) -> set[str]:
     return need
 
 
-def judge(root: str, iteration: int, files: dict[int, str]) -> IterationVerdict:
+def judge(store: PosixStorage, iteration: int, files: dict[int, str]) -> IterationVerdict:
     """Judge iteration ``iteration`` from its catalogued files (slot -> path; see
     :func:`ckptd.runlayout.iteration_slot`). Reads the two JSON records and the safetensors
-    headers (not their payloads: the verifier read those), each through :mod:`ckptd.confine`."""
+    headers (not their payloads: the verifier read those), each through the confined ``store``."""
     problems: list[str] = []
     by_name = {os.path.basename(p): p for p in files.values()}
     directory = os.path.dirname(next(iter(files.values())))
@@ -98,7 +98,7 @@ def judge(root: str, iteration: int, files: dict[int, str]) -> IterationVerdict:
     slot = runlayout.iteration_slot
     if slot("common") in files:
         try:
-            common = mf2.parse_common(confine.read_beneath(root, files[slot("common")], mf2.MAX_COMMON_BYTES),
+            common = mf2.parse_common(store.read(files[slot("common")], mf2.MAX_COMMON_BYTES),
                                       files[slot("common")])
         except (CkptdError, OSError) as err:
             problems.append(f"common.json: {err}")
@@ -107,38 +107,38 @@ def judge(root: str, iteration: int, files: dict[int, str]) -> IterationVerdict:
             problems.append(f"common.json says step_num {common.step_num}, global_step {common.global_step}: "
                             f"not iteration {iteration} (a file of another save)")
         health = ABNORMAL_REASON if common.abnormal else None
-    placements = _placements(root, files, problems)
+    placements = _placements(store, files, problems)
     required = required_by_names(by_name) if placements is None else (
         set(placements) | {runlayout.MF2_METADATA, runlayout.MF2_COMMON})
     missing = sorted(n for n in required if n not in by_name)
     bad = 0
     for name, wanted in sorted((placements or {}).items()):
         if name in by_name and bad < _MAX_TENSOR_PROBLEMS:
-            found = _tensor_problems(root, by_name[name], wanted, _MAX_TENSOR_PROBLEMS - bad)
+            found = _tensor_problems(store, by_name[name], wanted, _MAX_TENSOR_PROBLEMS - bad)
             bad += len(found)
             problems.extend(found)
     problems.extend(f"metadata.json places tensors in {name!r}, which is not a Checkpoint 2.0 file name"
                     for name in sorted(placements or {}) if runlayout.parse_iteration_file("", 0, name) is None)
-    return IterationVerdict(problems, missing, in_flight(directory), len(required), health)
+    return IterationVerdict(problems, missing, in_flight(store, directory), len(required), health)
 
 
-def _placements(root: str, files: dict[int, str], problems: list[str]) -> dict[str, list[mf2.Placement]] | None:
+def _placements(store: PosixStorage, files: dict[int, str], problems: list[str]) -> dict[str, list[mf2.Placement]] | None:
     """File name -> what metadata.json places in it; None without a metadata.json (single rank:
     the names decide), ``{}`` when it cannot be read (the problem is appended)."""
     path = files.get(runlayout.iteration_slot("metadata"))
     if path is None:
         return None
     try:
-        return mf2.parse_metadata(confine.read_beneath(root, path, mf2.MAX_METADATA_BYTES), path).by_file()
+        return mf2.parse_metadata(store.read(path, mf2.MAX_METADATA_BYTES), path).by_file()
     except (CkptdError, OSError) as err:
         problems.append(f"metadata.json: {err}")
         return {}
 
 
-def _tensor_problems(root: str, path: str, wanted: list[mf2.Placement], limit: int) -> list[str]:
+def _tensor_problems(store: PosixStorage, path: str, wanted: list[mf2.Placement], limit: int) -> list[str]:
     name = os.path.basename(path)
     try:
-        with confine.opened(root, path) as fd_name, open_checkpoint(fd_name) as ckpt:
+        with store.opened(path) as fd_name, open_checkpoint(fd_name) as ckpt:
             entries = dict(ckpt.entries)
     except (CkptdError, OSError) as err:
         return [f"{name}: {err}"]  # the verifier has the details; the step is not whole

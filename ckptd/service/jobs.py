@@ -45,6 +45,7 @@ from ckptd import procs
 from ckptd.catalog import jobrows, repo
 from ckptd.catalog.models import Checkpoint, Job, Run, as_utc
 from ckptd.service.catalog import NotFoundError, iso_time, get_run, get_step
+from ckptd.storage import PosixStorage
 
 log = logging.getLogger("ckptd.jobs")
 
@@ -316,12 +317,12 @@ class Heartbeat:
         self.close()
 
 
-def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: float = ABANDON_TIMEOUT,
+def recover_abandoned(sessions: sessionmaker[Session], store: PosixStorage, *, timeout: float = ABANDON_TIMEOUT,
                       now: datetime | None = None, at_start: bool = True) -> dict[str, Any]:
     """Fail the queued/running jobs and conversions whose process is gone (:func:`owner_gone`),
     release what their conversions held (the source's lease, see
     :func:`ckptd.service.conversions.recover_conversions`) and remove their temp data inside
-    ``root``. Work of live processes — this one, another daemon, ``ckptd convert`` — is left alone.
+    the root. Work of live processes — this one, another daemon, ``ckptd convert`` — is left alone.
     Idempotent and cheap (one query per table when nothing runs): call it at daemon start, and
     periodically with ``at_start=False`` (a process elsewhere counts as gone only ``timeout``
     after its last heartbeat, so a start alone never sees it). ``at_start`` also looks for temp
@@ -342,5 +343,5 @@ def recover_abandoned(sessions: sessionmaker[Session], root: str, *, timeout: fl
         log.warning("job %s (%s) failed as abandoned: %s", j["id"], j["kind"], j["why"])
     from ckptd.service.conversions import recover_conversions
 
-    recover_conversions(sessions, root, report, now=now, sweep_earlier=at_start)
+    recover_conversions(sessions, store, report, now=now, sweep_earlier=at_start)
     return report

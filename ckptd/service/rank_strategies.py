@@ -12,44 +12,43 @@ is bound to.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
 from sqlalchemy.orm import Session
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import repo, scanrows
 from ckptd.catalog.models import Run, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import encode_strategy, parse_strategy_bytes
 from ckptd.format.strategy_merge import load_rank_strategies, merge_rank_strategies
+from ckptd.storage import PosixStorage
 
 log = logging.getLogger("ckptd.ingest")
 
 
-def ingest(s: Session, root: str, run_name: str) -> Run:
+def ingest(s: Session, store: PosixStorage, run_name: str) -> Run:
     """Record this node's per-rank files of the run and re-merge (caller commits)."""
-    run_path = os.path.join(root, run_name)
+    run_path = os.path.join(store.root, run_name)
     directory = runlayout.rank_strategies_dir(run_path)
     run = repo.get_or_create_run(s, run_name, run_path)
     local_error = None
     try:
-        confine.check_dir_beneath(root, directory)  # strategy/ may not lead outside the root
+        store.check_dir(directory)  # strategy/ may not lead outside the root
         local = load_rank_strategies(directory)
     except CkptdError as err:  # a damaged or special file here, or a symlinked directory: said on the merge row
         local, local_error = {}, str(err)
     for strategy in local.values():
         path = strategy.source_path or directory
-        mtime_ns = None
-        with contextlib.suppress(OSError):
-            mtime_ns = os.lstat(path).st_mtime_ns
+        st = store.stat(path)
+        mtime_ns = None if st is None else st.st_mtime_ns
         repo.upsert_strategy(s, run, path, strategy.content_hash(), strategy.format, strategy.world_size,
                              strategy.stages, None, encode_strategy(strategy, strategy.format), mtime_ns)
     per_rank, mtime_ns = {}, 0
-    for row in _newest_rank_rows(s, root, run):
+    for row in _newest_rank_rows(s, store.root, run):
         try:
-            per_rank[_rank_of(root, row.path)] = parse_strategy_bytes(row.content or b"", row.path)
+            per_rank[_rank_of(store.root, row.path)] = parse_strategy_bytes(row.content or b"", row.path)
         except CkptdError as err:
             local_error = local_error or str(err)
             continue
@@ -93,17 +92,17 @@ def _record_invalid(s: Session, run: Run, directory: str, error: str) -> None:
         log.warning("per-rank strategy files of run %s are unusable: %s", run.name, error)
 
 
-def current(s: Session, root: str, run: Run) -> StrategyFile | None:
+def current(s: Session, store: PosixStorage, run: Run) -> StrategyFile | None:
     """The newest valid strategy of the run's own directory: the merge of its per-rank files
     when it has them (MindFormers), else its strategy file. Conversions register the strategy
     of each copy they write for the run too; a new step is never bound to one."""
     rows = scanrows.valid_strategies(s, run.id, content=False)  # one query; the blobs are not needed here
-    merged_at = runlayout.rank_strategies_dir(os.path.join(root, run.name))
+    merged_at = runlayout.rank_strategies_dir(os.path.join(store.root, run.name))
     for row in rows:
         if row.path == merged_at:
             return row
     for row in rows:
-        name = runlayout.classify(root, row.path)
+        name = runlayout.classify(store.root, row.path)
         if isinstance(name, runlayout.StrategyName) and name.run == run.name and name.rank is None:
             return row
     return None

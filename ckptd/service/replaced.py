@@ -22,35 +22,37 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import repo, scanrows
 from ckptd.states import StepState
+from ckptd.storage import ConfinementError, PosixStorage, kind_of
 
 ERROR_CODE = "replaced"
 
 
-def what_replaced(root: str, path: str) -> str | None:
+def what_replaced(store: PosixStorage, path: str) -> str | None:
     """Why ``path`` is no longer a shard file ckptd may read, or None (regular, or simply gone)."""
     try:
-        os.close(confine.open_beneath(root, path))
+        os.close(store.open_fd(path))
         return None
     except FileNotFoundError:
         return None  # vanished: ingest's deletion handling owns that
-    except confine.ConfinementError as err:
-        mode = _lmode(path)
-        if mode is not None and stat.S_ISREG(mode) and _links(path) > 1:
+    except ConfinementError as err:
+        # an lstat follows a symlinked directory on the way: a regular file then is one elsewhere
+        st = store.stat(path)
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             return f"replaced: {err.message}"
-        if mode is None or stat.S_ISREG(mode):
+        if st is None or stat.S_ISREG(st.st_mode):
             return f"replaced: {err.message} (reached through a symlinked directory): not read"
-        return f"replaced by a {confine.kind_of(mode)}: not read"
+        return f"replaced by a {kind_of(st.st_mode)}: not read"
     except OSError as err:
         return f"cannot be opened any more ({err.strerror}): not read"
 
 
-def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], owner: repo.Owner) -> list[str]:
+def mark_replaced(sessions: sessionmaker[Session], store: PosixStorage, paths: list[str], owner: repo.Owner) -> list[str]:
     """Invalidate the rows of those ``paths`` that are catalogued, owned here and replaced (see
     module docstring). Returns the paths whose rows changed."""
-    why = {p: w for p in paths if (w := what_replaced(root, p)) is not None}
+    why = {p: w for p in paths if (w := what_replaced(store, p)) is not None}
     if not why:
         return []
     with sessions() as s:
@@ -72,39 +74,23 @@ def mark_replaced(sessions: sessionmaker[Session], root: str, paths: list[str], 
     return changed
 
 
-def _lmode(path: str) -> int | None:
-    """The mode of ``path`` itself (an ``lstat`` follows a symlinked directory on the way: a regular
-    file then is one elsewhere, reached through it); None if it is gone."""
-    try:
-        return os.lstat(path).st_mode
-    except OSError:
-        return None
-
-
-def _links(path: str) -> int:
-    try:
-        return os.lstat(path).st_nlink
-    except OSError:
-        return 0
-
-
-def _what_it_is(path: str) -> str:
-    mode = _lmode(path)
-    if mode is None:
+def _what_it_is(store: PosixStorage, path: str) -> str:
+    st = store.stat(path)
+    if st is None:
         return "gone"
-    if stat.S_ISREG(mode) and _links(path) > 1:  # another name of a file anywhere (ckptd.confine)
-        return f"a file with {_links(path)} hard links"
-    if stat.S_ISREG(mode):  # named inside the root, but reached through a symlinked directory
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:  # another name of a file anywhere (ckptd.storage.beneath)
+        return f"a file with {st.st_nlink} hard links"
+    if stat.S_ISREG(st.st_mode):  # named inside the root, but reached through a symlinked directory
         return "a file reached through a symlinked directory"
-    return f"a {confine.kind_of(mode)}"
+    return f"a {kind_of(st.st_mode)}"
 
 
-def note_unread(sessions: sessionmaker[Session], ignored: dict[str, runlayout.ShardName]) -> int:
+def note_unread(sessions: sessionmaker[Session], store: PosixStorage, ignored: dict[str, runlayout.ShardName]) -> int:
     """Steps still waiting for a rank whose file is there but is no regular file beneath the root:
     their reason says what it is (once; an existing reason is kept). Returns the steps noted."""
     noted = 0
     for path, name in sorted(ignored.items()):
-        why = f"rank {name.rank}: {os.path.basename(path)} is {_what_it_is(path)}, not a regular file: never read"
+        why = f"rank {name.rank}: {os.path.basename(path)} is {_what_it_is(store, path)}, not a regular file: never read"
         noted += _note(sessions, name.run, why, name=(name.prefix, name.epoch, name.step, name.kind))
     return noted
 

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from ckptd import confine, runlayout, stepname
+from ckptd import runlayout, stepname
 from ckptd.catalog import nodes as node_registry
 from ckptd.catalog.models import Checkpoint, Shard, StepHealth, StrategyFile, as_utc
 from ckptd.errors import CkptdError
@@ -33,6 +33,7 @@ from ckptd.catalog.reads import shards_step_column
 from ckptd.service.catalog import get_run
 from ckptd.split import ParallelSplit
 from ckptd.states import ShardState
+from ckptd.storage import ConfinementError, PosixStorage
 
 RESUME_LEASE = timedelta(minutes=30)
 
@@ -58,6 +59,8 @@ class ResumeOptions:
     #: the job's tp/dp/pp split: ckptd derives the strategy its conversion of the answered step would
     #: have and says whether one is needed and whether a copy is ready (the launcher derives nothing)
     split: ParallelSplit | None = None
+    #: the ``allow_hardlinks`` setting: a strategy file with more than one name is served only with it
+    hardlinks: bool = False
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
@@ -133,7 +136,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     shards = [(rank, path) for rank, path, _ in rows]
     node_of = {path: node for _, path, node in rows}
     strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
-    strategy_path = strategy.path if strategy and _servable(os.path.dirname(run.path), strategy.path) else None
+    store = PosixStorage(os.path.dirname(run.path), opts.hardlinks)  # the root the run was seen under
+    strategy_path = strategy.path if strategy and _servable(store, strategy.path) else None
     lease = as_utc(ckpt.lease_until) if ckpt.lease_until is not None else None
     layout = runlayout.by_name(run.layout)
     if opts.lease and (lease is None or lease < now + RESUME_LEASE / 2):
@@ -159,33 +163,32 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
     if layout.iterations:
-        return _iteration_answer(answer, run.path, ckpt, rows, steps, s)
+        return _iteration_answer(answer, store, run.path, ckpt, rows, steps, s)
     if opts.split is not None:
-        answer["conversion"] = _split_conversion(s, ckpt, strategy, opts.split, os.path.dirname(run.path))
+        answer["conversion"] = _split_conversion(s, ckpt, strategy, opts.split, store)
         return answer
     other_world = opts.world_size is not None and opts.world_size != ckpt.expected_ranks
     other_layout = opts.strategy_hash is not None and opts.strategy_hash != answer["strategy_hash"]
     if other_world or other_layout:
-        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash, os.path.dirname(run.path))
+        answer["conversion"] = _conversion_info(s, ckpt, opts.world_size, opts.strategy_hash, store)
     return answer
 
 
-def _servable(root: str, path: str) -> bool:
+def _servable(store: PosixStorage, path: str) -> bool:
     """A path served is one the trainer will open: here it must still be a regular file (or, for
     per-rank strategy files merged, their real directory) reached without symlinks — it may have
     been swapped since it was read; the hash still names the layout. One not on this node's disk
     is another node's to judge."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    st = store.stat(path)
+    if st is None:
         return True
-    if stat.S_ISDIR(mode):  # MindFormers' strategy/ of per-rank files
+    if stat.S_ISDIR(st.st_mode):  # MindFormers' strategy/ of per-rank files
         try:
-            confine.check_dir_beneath(root, path)
+            store.check_dir(path)
             return True
-        except (confine.ConfinementError, OSError):
+        except (ConfinementError, OSError):
             return False
-    return confine.is_regular_beneath(root, path)
+    return store.is_file(path)
 
 
 def _unjudged(s: Session, steps: list[StepInfo], unjudged: tuple[int, ...], dead: set[str],
@@ -251,12 +254,11 @@ def mindformers_block(layout: runlayout.RunLayout, run_path: str, own: dict[int,
     }
 
 
-def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, rows: list, steps: list[StepInfo],
+def _iteration_answer(answer: dict[str, Any], store: PosixStorage, run_path: str, ckpt: Checkpoint, rows: list, steps: list[StepInfo],
                       s: Session) -> dict[str, Any]:
     """A Checkpoint 2.0 iteration: its files (``rank`` is the file's slot, ``role`` says which),
     where MindFormers loads it from, and what the tracker says. MindFormers re-shards 2.0
     checkpoints into the running layout itself, so there is no world size and no conversion."""
-    root = os.path.dirname(run_path)
     answer["world_size"] = None
     answer["shards"] = [{"rank": rank, "path": path, "node": node, "role": runlayout.slot_role(rank)[0]}
                         for rank, path, node in rows]
@@ -267,13 +269,13 @@ def _iteration_answer(answer: dict[str, Any], run_path: str, ckpt: Checkpoint, r
         "loadable_by_mindformers": True,
         "remove_redundancy": False,
         "checkpoint_dir": os.path.dirname(runlayout.tracker_path(run_path)),
-        "tracker": tracker.judge(tracker.read(root, run_path), ckpt.step, states, run_path),
+        "tracker": tracker.judge(store, tracker.read(store, run_path), ckpt.step, states, run_path),
     }
     return answer
 
 
 def _split_conversion(s: Session, ckpt: Checkpoint, strategy: StrategyFile | None, split: ParallelSplit,
-                      root: str) -> dict[str, Any] | None:
+                      store: PosixStorage) -> dict[str, Any] | None:
     """The ``conversion`` block for a job of ``split``: None when the step is already in it; else
     the target's strategy hash (what ``to_layout=<split>`` derives from the strategy the step was
     saved with, as catalogued), the ready copy of exactly that layout if any, or why none can be
@@ -287,11 +289,11 @@ def _split_conversion(s: Session, ckpt: Checkpoint, strategy: StrategyFile | Non
         return {"needed": True, "from_world_size": ckpt.expected_ranks, "to_world_size": split.world,
                 "existing": None, "target_strategy_hash": None, "impossible": target.impossible,
                 "hint": "convert it with ckptd convert --to-strategy FILE, or launch in the saved split"}
-    return _conversion_info(s, ckpt, split.world, target.hash, root)
+    return _conversion_info(s, ckpt, split.world, target.hash, store)
 
 
 def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strategy_hash: str | None,
-                     root: str) -> dict[str, Any]:
+                     store: PosixStorage) -> dict[str, Any]:
     """Another target layout needs the checkpoint re-sharded; point at a ready copy if any — of
     exactly that layout when the strategy hash is given, else the newest copy for that world size.
     A copy is ready while the daemon holds it verified (its rescan follows the files: a lost
@@ -310,7 +312,7 @@ def _conversion_info(s: Session, ckpt: Checkpoint, world_size: int | None, strat
         paths = s.execute(select(Shard.rank, Shard.path).where(
             Shard.checkpoint_id == copy.id, Shard.state == ShardState.VERIFIED.value).order_by(Shard.rank)).all()
         strat = s.get(StrategyFile, copy.strategy_id) if copy.strategy_id else None
-        served = strat.path if strat and _servable(root, strat.path) else None
+        served = strat.path if strat and _servable(store, strat.path) else None
         existing = {"shards": [{"rank": r, "path": p} for r, p in paths], "strategy_file": served,
                     "strategy_hash": copy.strategy_hash}
     return {

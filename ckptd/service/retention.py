@@ -2,7 +2,7 @@
 
 1. mark: the planned steps go to state ``deleting`` in one transaction (re-planned under the
    catalog's locks, so a step that became newest-restorable meanwhile is not taken);
-2. delete the shard files (only through :mod:`ckptd.confine`: never through a symlinked file or
+2. delete the shard files (only through :mod:`ckptd.storage`: never through a symlinked file or
    directory, so a planted link cannot make gc delete another run's files);
 3. delete the rows — unless a file was refused: then the step stays ``deleting`` with the
    refusal as its ``reason``, for an operator to look at. A crash between 1 and 3 leaves steps in ``deleting``; ``finish_pending``
@@ -25,13 +25,14 @@ from typing import Any, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import removal, repo
 from ckptd.catalog.models import Run
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import sidecar_for
 from ckptd.service.resume import step_infos
 from ckptd.states import ShardState, StepState
+from ckptd.storage import ConfinementError, PosixStorage
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _with_in_use(info):  # noqa: ANN001, ANN202 - tiny dataclass helper
 
 
 def gc(
-    sessions: sessionmaker[Session], root: str, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
+    sessions: sessionmaker[Session], store: PosixStorage, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
     owner: repo.Owner = repo.LOCAL, torn_grace: float | None = None,
 ) -> GcReport:
     """Apply ``policy``: plan and mark (phase 1, one transaction), then delete the files and rows
@@ -90,40 +91,40 @@ def gc(
     for that many seconds (:func:`sweep_torn_temps`)."""
     report = GcReport(dry_run=dry_run)
     if not dry_run:
-        finish_pending(sessions, root, report, owner)
+        finish_pending(sessions, store, report, owner)
     mark_for_deletion(sessions, policy, report, run_name=run_name)
     if not dry_run:
-        finish_pending(sessions, root, report, owner)
+        finish_pending(sessions, store, report, owner)
     if torn_grace is not None:
-        sweep_torn_temps(sessions, root, torn_grace, report, run_name=run_name)
+        sweep_torn_temps(sessions, store, torn_grace, report, run_name=run_name)
     return report
 
 
-def sweep_torn_temps(sessions: sessionmaker[Session], root: str, grace: float, report: GcReport, *,
+def sweep_torn_temps(sessions: sessionmaker[Session], store: PosixStorage, grace: float, report: GcReport, *,
                      run_name: str | None = None) -> None:
     """Remove the temp files of saves that never finished (``<shard>.tmp`` of a rank killed while
     MindSpore's async writer ran): no restart ever renames them, and ``keep_checkpoint_max`` only
     rotates finished files of the current prefix. A temp file is torn once untouched for ``grace``
     seconds (a writer at work keeps writing it); only shard-named ones inside a run's shard
-    directories, each removed through :mod:`ckptd.confine`, refusals reported."""
+    directories, each removed through the confined store, refusals reported."""
     with sessions() as s:
         run_paths = removal.run_paths(s, run_name)
     before = time.time() - grace
     for run_path in run_paths:
         for d in runlayout.shard_dirs(run_path).shard_dirs:
             try:
-                names = confine.listdir_beneath(root, d)
-            except (OSError, confine.ConfinementError):
+                names = store.list(d)
+            except (OSError, ConfinementError):
                 continue  # gone or replaced since it was listed: the next rescan judges it
             for name in sorted(names):
                 if not runlayout.is_torn_temp_name(name):
                     continue
                 path = os.path.join(d, name)
                 try:
-                    old = confine.unlink_if_older_beneath(root, path, before, dry_run=report.dry_run)
+                    old = store.delete_if_older(path, before, dry_run=report.dry_run)
                 except FileNotFoundError:
                     continue
-                except confine.ConfinementError as err:
+                except ConfinementError as err:
                     report.refused.append(f"{path}: {err.message}; not deleted")
                     continue
                 if old:
@@ -153,16 +154,16 @@ def mark_for_deletion(sessions: sessionmaker[Session], policy: RetentionPolicy, 
                     h.state = StepState.DELETING.value
 
 
-def _remove_step_dirs(root: str, dirs: set[str]) -> None:
+def _remove_step_dirs(store: PosixStorage, dirs: set[str]) -> None:
     """A step that is a directory (a Checkpoint 2.0 iteration): once its files are gone, so is it
     (MindFormers' own rotation rmtrees it). Only an empty one: anything else in it is not ours to delete."""
     for d in sorted(dirs):
-        if runlayout.is_step_dir(root, d):
+        if runlayout.is_step_dir(store.root, d):
             with contextlib.suppress(OSError):  # ConfinementError included: a symlink is not ours either
-                confine.rmdir_beneath(root, d)
+                store.remove_dir(d)
 
 
-def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str]) -> list[str]:
+def delete_derived(s: Session, ckpt_id: int, store: PosixStorage, refused: list[str]) -> list[str]:
     """Rows and files of the converted copies of a step that retention is deleting (a copy never
     outlives its source: its lineage would point nowhere). A copy whose directory is refused
     (a symlink, or outside the root) keeps its rows with the refusal as reason, and the refusal
@@ -170,8 +171,8 @@ def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str]) -> l
     removed = []
     for copy in removal.copies_of(s, ckpt_id):
         dirs = {os.path.dirname(os.path.dirname(p)) for p in removal.all_shard_paths(s, copy.id)}
-        why = [w for w in (_refused(confine.rmtree_beneath, root, d) for d in sorted(dirs)) if w]
-        removed += [d for d in dirs if not os.path.lexists(d)]
+        why = [w for w in (_refused(store.remove_tree, d) for d in sorted(dirs)) if w]
+        removed += [d for d in dirs if not store.exists(d)]
         if why:
             copy.reason = "; ".join(why)
             refused += why
@@ -182,18 +183,18 @@ def delete_derived(s: Session, ckpt_id: int, root: str, refused: list[str]) -> l
     return removed
 
 
-def _refused(remove: Callable[[str, str], None], root: str, path: str) -> str | None:
-    """``remove(root, path)``; why not, if confinement refused it (a missing file is no refusal)."""
+def _refused(remove: Callable[[str], None], path: str) -> str | None:
+    """``remove(path)``; why not, if confinement refused it (a missing file is no refusal)."""
     try:
-        remove(root, path)
+        remove(path)
     except FileNotFoundError:
         pass
-    except confine.ConfinementError as err:
+    except ConfinementError as err:
         return f"{path}: {err.message}; not deleted"
     return None
 
 
-def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport | None = None,
+def finish_pending(sessions: sessionmaker[Session], store: PosixStorage, report: GcReport | None = None,
                    owner: repo.Owner = repo.LOCAL) -> int:
     """Phases 2 and 3 for every step left in ``deleting`` (also after a crash).
 
@@ -211,12 +212,12 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         for shard_id, path, node, state in rows:
             if state == ShardState.DELETED.value and node != owner.node:
                 continue  # its node removed it already
-            if not (owner.may_judge_gone(node) or (node is None and os.path.lexists(path))):
+            if not (owner.may_judge_gone(node) or (node is None and store.exists(path))):
                 continue  # another node's file: that node deletes it
             for target in (path, sidecar_for(path)):
-                if not os.path.lexists(target):
+                if not store.exists(target):
                     continue
-                why = _refused(confine.unlink_beneath, root, target)  # a missing file is no refusal
+                why = _refused(store.delete, target)  # a missing file is no refusal
                 if why:
                     refused.append(why)
                 else:
@@ -228,14 +229,14 @@ def finish_pending(sessions: sessionmaker[Session], root: str, report: GcReport 
         if mine:
             with sessions.begin() as s:
                 removal.mark_shards_deleted(s, mine)
-            _remove_step_dirs(root, {os.path.dirname(path) for _, path, _, _ in rows})
+            _remove_step_dirs(store, {os.path.dirname(path) for _, path, _, _ in rows})
         with sessions() as s:
             left = removal.nodes_still_holding(s, ckpt_id)
         if left:
             continue  # other nodes still hold files of it; the last one to delete removes the rows
         with sessions.begin() as s:
             refused = []
-            report.deleted_files += len(delete_derived(s, ckpt_id, root, refused))
+            report.deleted_files += len(delete_derived(s, ckpt_id, store, refused))
             if not refused:
                 removal.delete_checkpoint_rows(s, ckpt_id)
         if refused:

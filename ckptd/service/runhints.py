@@ -7,7 +7,7 @@
 * ``meta.json`` is never read for decisions: it lags async saves and is overwritten by a restart
   (see ``ckptd.runlayout``); the catalog is built from the files themselves.
 
-Files are read through :mod:`ckptd.confine` (no symlinks, no FIFOs or devices, bounded size).
+Files are read through :mod:`ckptd.storage` (no symlinks, no FIFOs or devices, bounded size).
 """
 
 from __future__ import annotations
@@ -17,20 +17,21 @@ import logging
 import os
 import zlib
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog.models import Checkpoint, Run
 from ckptd.format.limits import MAX_JSON_DEPTH, json_too_deep
+from ckptd.storage import ConfinementError, PosixStorage
 
 MAX_HINT_BYTES = 16 << 20  # a health record is ~60 bytes per save
 log = logging.getLogger("ckptd.ingest")
 _ignored: dict[str, int] = {}  # path -> checksum of the content last logged as ignored (logged once)
 
 
-def read_health(root: str, path: str) -> dict[str, bool]:
+def read_health(store: PosixStorage, path: str) -> dict[str, bool]:
     """``{rank-0 file name: abnormal}`` from a ``health_ckpts.json`` (later records win)."""
     try:
-        raw = confine.read_beneath(root, path, MAX_HINT_BYTES)
-    except (OSError, confine.ConfinementError):
+        raw = store.read(path, MAX_HINT_BYTES)
+    except (OSError, ConfinementError):
         return {}
     if json_too_deep(raw):  # MindFormers writes a flat list; Python's parser would recurse per level
         _ignore(path, raw, f"nests deeper than {MAX_JSON_DEPTH} levels")
@@ -58,10 +59,10 @@ def _ignore(path: str, raw: bytes, why: str) -> None:
 ABNORMAL_REASON = "health_ckpts.json: is_health=1 (MindFormers' health monitor flags this save as abnormal)"
 
 
-def apply_health(root: str, run: Run, steps: list[Checkpoint]) -> None:
+def apply_health(store: PosixStorage, run: Run, steps: list[Checkpoint]) -> None:
     """Set or clear ``health_reason`` of ``steps`` (loaded, locked by the caller) from the run's
     ``health_ckpts.json``; a record names rank 0's file of a save."""
-    records = read_health(root, runlayout.health_path(os.path.join(root, run.name)))
+    records = read_health(store, runlayout.health_path(os.path.join(store.root, run.name)))
     abnormal = set()
     for file_name, bad in records.items():
         parsed = runlayout.parse_shard_name(file_name, 0)

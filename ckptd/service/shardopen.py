@@ -1,4 +1,4 @@
-"""Opening a catalogued shard below the root for parsing, through :mod:`ckptd.confine`.
+"""Opening a catalogued shard below the root for parsing, through the confined store (:class:`ckptd.storage.PosixStorage`).
 
 Ingest's parse check and the step checks' facts used to open shards by name after an ``lstat``:
 a FIFO swapped in between blocked the thread in ``open()`` forever, a symlink was followed out of
@@ -12,10 +12,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from ckptd import confine
 from ckptd.errors import CkptdError
 from ckptd.format.checkpoint import CheckpointFile, open_checkpoint
 from ckptd.format.index_cache import IndexCache
+from ckptd.storage import PosixStorage
 
 
 def _named(err: CkptdError, path: str) -> CkptdError:
@@ -25,11 +25,11 @@ def _named(err: CkptdError, path: str) -> CkptdError:
 
 
 @contextlib.contextmanager
-def open_shard(root: str, path: str, key: bytes | None, index_cache: IndexCache | None = None,
+def open_shard(store: PosixStorage, path: str, key: bytes | None, index_cache: IndexCache | None = None,
                ) -> Iterator[CheckpointFile]:
     """``open_checkpoint`` of the confined file ``path``; raises :class:`CkptdError` (a
-    :class:`~ckptd.confine.ConfinementError` for a symlink, FIFO or device) or ``OSError``."""
-    with confine.opened(root, path) as name:
+    ``ConfinementError`` for a symlink, FIFO or device) or ``OSError``."""
+    with store.opened(path) as name:
         try:
             ck = open_checkpoint(name, key, index_cache=index_cache)
         except CkptdError as err:
@@ -38,15 +38,15 @@ def open_shard(root: str, path: str, key: bytes | None, index_cache: IndexCache 
             yield ck
 
 
-def parse_error(root: str, path: str, key: bytes | None, index_cache: IndexCache | None = None) -> CkptdError | None:
+def parse_error(store: PosixStorage, path: str, key: bytes | None, index_cache: IndexCache | None = None) -> CkptdError | None:
     """Why ``path`` does not parse (record headers only), or None: a shard is 'complete' only
-    once it does. A :class:`~ckptd.confine.ConfinementError`: it is no regular file reached
+    once it does. A ``ConfinementError``: it is no regular file reached
     without symlinks (never read)."""
     try:
         if path.endswith(".json"):  # a Checkpoint 2.0 record: parsed whole by the verifier; confined here too
-            os.close(confine.open_beneath(root, path))
+            os.close(store.open_fd(path))
             return None
-        with open_shard(root, path, key, index_cache):
+        with open_shard(store, path, key, index_cache):
             return None
     except CkptdError as err:
         return err

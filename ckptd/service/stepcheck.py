@@ -40,6 +40,7 @@ import xxhash
 
 from ckptd.convert.consistency import EVIDENCE_DTYPES, MIN_TWIN_PARAMS, PROBE_BYTES, repeats_one_element
 from ckptd.errors import CkptdError
+from ckptd.storage import PosixStorage
 from ckptd.format.checkpoint import CheckpointFile
 from ckptd.format.dtypes import itemsize
 from ckptd.format.index_cache import IndexCache
@@ -157,6 +158,15 @@ class ShardFacts:
                    tuple(doc.get("evidence", ())))  # facts stored before the twin check have none
 
 
+@dataclass(frozen=True)
+class ReplicaCheck:
+    """Which parameters' replicas a step check compares: ``off``, a ``sample`` of ``sample``
+    parameters per step, or ``full`` (the ``replica_check`` / ``replica_sample`` settings)."""
+
+    mode: str = "sample"
+    sample: int = 8
+
+
 def replica_names(strategy: Strategy | None, mode: str, sample: int, seed: str) -> tuple[str, ...]:
     """The parameters whose replicas are compared: all (``full``), or a sample that is
     deterministic per step and different across steps, so over time every parameter is compared."""
@@ -168,14 +178,14 @@ def replica_names(strategy: Strategy | None, mode: str, sample: int, seed: str) 
     return tuple(names)
 
 
-def shard_facts(root: str, ref: ShardRef, strategy: Strategy | None, key: bytes | None,
+def shard_facts(store: PosixStorage, ref: ShardRef, strategy: Strategy | None, key: bytes | None,
                 digest_names: tuple[str, ...] = (), *, subset: bool = False,
                 index_cache: IndexCache | None = None) -> ShardFacts:
-    """Read one rank's file below ``root`` (headers, plus the payloads of ``digest_names``) into
-    its facts; opened through :mod:`ckptd.confine` (a FIFO or symlink there is unreadable, never
-    waited on or followed)."""
+    """Read one rank's file (headers, plus the payloads of ``digest_names``) into its facts;
+    opened through the confined ``store`` (a FIFO or symlink there is unreadable, never waited on
+    or followed)."""
     try:
-        with open_shard(root, ref.path, key, index_cache) as ck:
+        with open_shard(store, ref.path, key, index_cache) as ck:
             return facts_of(ck, ref.rank, strategy, digest_names, subset=subset)
     except CkptdError as err:
         return ShardFacts(ref.rank, (f"rank {ref.rank}: {err}",), readable=False)

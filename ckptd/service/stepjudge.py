@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.catalog import repo, steprows
 from ckptd.catalog.models import Checkpoint, Run, StrategyFile
 from ckptd.errors import CkptdError
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, parse_strategy_bytes
 from ckptd.service import iteration
-from ckptd.service.stepcheck import ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
-from ckptd.settings import Settings
+from ckptd.service.stepcheck import ReplicaCheck, ShardFacts, ShardRef, StepVerdict, combine, replica_names, shard_facts
 from ckptd.states import ShardState
+from ckptd.storage import ConfinementError, PosixStorage
 
 #: how a step's reason starts when its files verified but no layout could be checked
 LAYOUT_UNCHECKED = "layout unchecked: "
@@ -71,9 +71,9 @@ class FactsPlan:
 
 
 class StepJudge:
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], key: bytes | None,
-                 index_cache: IndexCache | None = None) -> None:
-        self.settings, self.sessions, self.key, self.index_cache = settings, sessions, key, index_cache
+    def __init__(self, store: PosixStorage, sessions: sessionmaker[Session], key: bytes | None,
+                 replicas: ReplicaCheck = ReplicaCheck(), index_cache: IndexCache | None = None) -> None:
+        self.store, self.sessions, self.key, self.replicas, self.index_cache = store, sessions, key, replicas, index_cache
         self._strategies: dict[tuple[str, str], Strategy] = {}
 
     def strategy_for(self, row: StrategyFile | None) -> Strategy | None:
@@ -89,9 +89,8 @@ class StepJudge:
         key = (row.path, row.content_hash)
         if key not in self._strategies:
             try:  # the content as catalogued: the file on disk may describe a newer layout by now
-                # (a row without it: the file, read through ckptd.confine — never a FIFO or symlink)
-                content = row.content if row.content is not None else \
-                    confine.read_beneath(str(self.settings.root), row.path, MAX_STRATEGY_BYTES)
+                # (a row without it: the file, read through the confined store — never a FIFO or symlink)
+                content = row.content if row.content is not None else self.store.read(row.path, MAX_STRATEGY_BYTES)
                 self._strategies[key] = parse_strategy_bytes(content, row.path)
             except CkptdError as err:
                 return str(err)
@@ -113,7 +112,7 @@ class StepJudge:
             return None
         run = s.get(Run, ckpt.run_id)
         why = found or (_unusable_strategy(s, run) if run is not None and run.path else None) or \
-            (_refused_on_disk(str(self.settings.root), run.path) if run is not None and run.path else None)
+            (_refused_on_disk(self.store, run.path) if run is not None and run.path else None)
         return f"{LAYOUT_UNCHECKED}{why}" if why else None
 
     def facts_plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan | None:
@@ -125,7 +124,7 @@ class StepJudge:
 
     def _plan(self, s: Session, ckpt: Checkpoint) -> FactsPlan:
         strategy = self.strategy_for(s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None)
-        names = replica_names(strategy, self.settings.replica_check, self.settings.replica_sample,
+        names = replica_names(strategy, self.replicas.mode, self.replicas.sample,
                               f"{ckpt.run_id}:{ckpt.step}:")
         return FactsPlan(strategy, names, _subset(s, ckpt), _stamp((ckpt.strategy_id, ckpt.expected_ranks), names))
 
@@ -151,15 +150,15 @@ class StepJudge:
             if len(verified) < len(rows):
                 # ready only if every unverified file is another node's (not visible here) and
                 # this node verified at least one
-                if any(os.path.exists(r.path) for r in rows if r.state != ShardState.VERIFIED.value):
+                if any(self.store.exists(r.path) for r in rows if r.state != ShardState.VERIFIED.value):
                     return False
-                return any(os.path.exists(r.path) for r in verified)
+                return any(self.store.exists(r.path) for r in verified)
             whole = (ckpt.strategy_id is not None and _subset(s, ckpt)) or \
                 len({r.rank for r in rows}) >= ckpt.expected_ranks or len(rows) >= ckpt.expected_ranks
             if whole:
-                return any(os.path.exists(r.path) for r in rows)
+                return any(self.store.exists(r.path) for r in rows)
             # ranks still missing: judged only as this node's part of a step spread over nodes
-            exists = [os.path.exists(r.path) for r in rows]
+            exists = [self.store.exists(r.path) for r in rows]
             return any(exists) and not all(exists)
 
     # --- what ------------------------------------------------------------------------------------
@@ -183,7 +182,7 @@ class StepJudge:
         strategy, names, subset, stamp = plan.strategy, plan.names, plan.subset, plan.stamp
         t0 = time.perf_counter()
         refs = [ShardRef(r.rank, r.path) for r in rows]
-        visible = {r.id for r in rows if os.path.exists(r.path)}
+        visible = {r.id for r in rows if self.store.exists(r.path)}
         computed = {r.id: self._facts(r, strategy, names, subset) for r in rows
                     if r.id in visible and _fresh(r, stamp) is None}
         with self.sessions.begin() as s:
@@ -225,10 +224,10 @@ class StepJudge:
             step = ckpt.step
         if not rows or any(r.state == ShardState.COMPLETE.value for r in rows):
             return []  # still being verified: the last verification asks again
-        if not all(os.path.exists(r.path) for r in rows):
+        if not all(self.store.exists(r.path) for r in rows):
             return []  # a file vanished since it was judged ready: its deletion asks again
         t0 = time.perf_counter()
-        verdict = iteration.judge(str(self.settings.root), step, {r.rank: r.path for r in rows})
+        verdict = iteration.judge(self.store, step, {r.rank: r.path for r in rows})
         with self.sessions.begin() as s:
             ckpt = repo.lock_checkpoint(s, ckpt_id)
             if unjudged_only and ckpt.step_checks_ok is not None:
@@ -253,7 +252,7 @@ class StepJudge:
         return verdict.problems + [f"missing {name}" for name in verdict.missing]
 
     def _facts(self, row: _Row, strategy: Strategy | None, names: tuple[str, ...], subset: bool) -> ShardFacts:
-        return shard_facts(str(self.settings.root), ShardRef(row.rank, row.path), strategy, self.key, names,
+        return shard_facts(self.store, ShardRef(row.rank, row.path), strategy, self.key, names,
                            subset=subset, index_cache=self.index_cache)
 
     @staticmethod
@@ -315,22 +314,21 @@ def _unusable_strategy(s: Session, run: Run) -> str | None:
     return None
 
 
-def _refused_on_disk(root: str, run_path: str) -> str | None:
+def _refused_on_disk(store: PosixStorage, run_path: str) -> str | None:
     """A strategy ckptd never reads because of what it is on disk (a symlinked ``strategy/``, a
     strategy file that is a symlink or FIFO): ingest refuses those without a catalog row."""
     directory = runlayout.rank_strategies_dir(run_path)
     try:
-        confine.check_dir_beneath(root, directory)
-    except confine.ConfinementError as err:
+        store.check_dir(directory)
+    except ConfinementError as err:
         return f"{directory}: {err.message}: strategy files are never read through it"
     except OSError:
         return None
     for base in (run_path, directory):
         try:
-            with os.scandir(base) as it:
-                odd = sorted(e.path for e in it if not e.is_file(follow_symlinks=False)
-                             and not e.is_dir(follow_symlinks=False)
-                             and isinstance(runlayout.classify(root, e.path), runlayout.StrategyName))
+            odd = sorted(path for e in store.entries(base) if e.kind not in ("file", "dir", "gone")
+                         and isinstance(runlayout.classify(store.root, path := os.path.join(base, e.name)),
+                                        runlayout.StrategyName))
         except OSError:
             continue
         if odd:

@@ -7,7 +7,7 @@ save. The resume oracle answers from the catalog instead and reports the tracker
 the answer. :func:`repair` rewrites the record to the answered iteration for launchers that run
 MindFormers unmodified (``load_checkpoint`` = the ``checkpoint`` directory): temp file, fsync,
 rename, fsync of the directory — unlike MindFormers' in-place write — all relative to one
-descriptor of ``checkpoint/`` opened beneath the root (``ckptd.confine``), never by name.
+descriptor of ``checkpoint/`` opened beneath the root (``ckptd.storage``), never by name.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from ckptd import confine, runlayout
+from ckptd import runlayout
 from ckptd.errors import CkptdError
 from ckptd.format import mf2
 from ckptd.atomic import atomic_write
+from ckptd.storage import ConfinementError, PosixStorage, beneath, kind_of
 
 TRACKER_MODE = 0o640  # what MindFormers leaves
 
@@ -32,19 +33,20 @@ class Tracker:
     problem: str | None  # why it is unusable (absent, empty, torn, not a regular file)
 
 
-def read(root: str, run_path: str) -> Tracker:
+def read(store: PosixStorage, run_path: str) -> Tracker:
     path = runlayout.tracker_path(run_path)
     try:
-        raw = confine.read_beneath(root, path, mf2.MAX_TRACKER_BYTES)
+        raw = store.read(path, mf2.MAX_TRACKER_BYTES)
     except FileNotFoundError:
         return Tracker(path, None, "absent (no save finalized yet, or written elsewhere)")
-    except (OSError, confine.ConfinementError) as err:
+    except (OSError, ConfinementError) as err:
         return Tracker(path, None, f"unreadable: {getattr(err, 'message', None) or err}")
     parsed = mf2.parse_tracker(raw)
     return Tracker(path, parsed, None) if isinstance(parsed, int) else Tracker(path, None, parsed)
 
 
-def judge(tracker: Tracker, chosen: int, states: dict[int, tuple[str, str | None]], run_path: str) -> dict[str, Any]:
+def judge(store: PosixStorage, tracker: Tracker, chosen: int, states: dict[int, tuple[str, str | None]],
+          run_path: str) -> dict[str, Any]:
     """The answer's ``tracker`` block: what it names and whether MindFormers, trusting it, would
     load the answered iteration. ``states``: catalogued iteration -> (state, reason)."""
     out: dict[str, Any] = {"path": tracker.path, "iteration": tracker.iteration, "agrees": tracker.iteration == chosen}
@@ -53,7 +55,7 @@ def judge(tracker: Tracker, chosen: int, states: dict[int, tuple[str, str | None
         note = f"unusable: {tracker.problem}; MindFormers' get_checkpoint_path fails or treats the directory as an iteration"
     elif it == chosen:
         note = "names the answered iteration"
-    elif not os.path.isdir(runlayout.iteration_dir(run_path, it)):
+    elif not store.is_dir(runlayout.iteration_dir(run_path, it)):
         note = f"names iteration {it}, which does not exist (rotated away before an async save was finalized?)"
     elif it in states and states[it][0] != "verified":
         state, reason = states[it]
@@ -67,10 +69,10 @@ def judge(tracker: Tracker, chosen: int, states: dict[int, tuple[str, str | None
     return out
 
 
-def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run: bool = False) -> dict[str, Any]:
+def repair(store: PosixStorage, run_path: str, iteration: int, *, verified: bool, dry_run: bool = False) -> dict[str, Any]:
     """Make the tracker name ``iteration`` (a verified iteration: the caller's evidence). Refuses
     anything unverified or absent; writes nothing when it already agrees or on ``dry_run``."""
-    before = read(root, run_path)
+    before = read(store, run_path)
     target_dir = runlayout.iteration_dir(run_path, iteration)
     if not verified:
         raise CkptdError(f"refusing to point the tracker at iteration {iteration}: it is not verified",
@@ -81,8 +83,8 @@ def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run:
     # following a symlink: swapping the directory for a link meanwhile redirects nothing
     ckpt_dir = os.path.dirname(before.path)
     try:
-        dir_fd = confine.open_dir_beneath(root, ckpt_dir)
-    except (FileNotFoundError, NotADirectoryError, confine.ConfinementError) as err:
+        dir_fd = store.open_dir(ckpt_dir)
+    except (FileNotFoundError, NotADirectoryError, ConfinementError) as err:
         raise _not_real(iteration, target_dir, err) from None
     try:
         try:
@@ -90,14 +92,14 @@ def repair(root: str, run_path: str, iteration: int, *, verified: bool, dry_run:
         except FileNotFoundError as err:
             raise _not_real(iteration, target_dir, err) from None
         if not stat.S_ISDIR(mode):
-            raise _not_real(iteration, target_dir, f"it is a {confine.kind_of(mode)}")
+            raise _not_real(iteration, target_dir, f"it is a {kind_of(mode)}")
         if before.iteration == iteration or dry_run:
             return result
         name = os.path.basename(before.path)
-        if confine.exists_at(dir_fd, name):
+        if beneath.exists_at(dir_fd, name):
             try:
-                os.close(confine.open_at(dir_fd, name, before.path))
-            except (OSError, confine.ConfinementError) as err:
+                os.close(beneath.open_at(dir_fd, name, before.path, hardlinks=store.hardlinks))
+            except (OSError, ConfinementError) as err:
                 raise CkptdError(f"refusing to replace the tracker: {getattr(err, 'message', None) or err}",
                                  path=before.path, hint="remove it by hand after checking what it is") from None
         with atomic_write(name, overwrite=True, mode=TRACKER_MODE, dir_fd=dir_fd) as fh:

@@ -1,7 +1,7 @@
 """Verification in three levels, each usable without the next:
 
 * ``verify_one(rules, path, ...)``, a plain function: one file below the root (read through
-  ``ckptd.confine``) → a :class:`ShardOutcome`; no catalog, no threads.
+  the rules' confined store) → a :class:`ShardOutcome`; no catalog, no threads.
 * ``ShardVerifier``, on the caller's thread (``ckptd verify --run``, re-verification jobs):
   ``verify_shards(ids)`` works one checkpoint at a time: claims its shards in one transaction
   (checkpoint row locked before its shard rows), reads the files outside any, records the
@@ -25,7 +25,6 @@ from datetime import datetime, timedelta, timezone
 import xxhash
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptd import confine
 from ckptd.catalog import repo, verdicts
 from ckptd.catalog.models import as_utc
 from ckptd.catalog.nodes import NodeView
@@ -38,8 +37,8 @@ from ckptd.runlayout import sidecar_for
 from ckptd.service.stepcheck import ShardFacts, content_step, facts_of
 from ckptd.service.stepjudge import FactsPlan, StepJudge
 from ckptd.service.workqueue import KeyedQueue
-from ckptd.settings import Settings
 from ckptd.states import ShardState, awaits_verification
+from ckptd.storage import ConfinementError, PosixStorage
 
 log = logging.getLogger("ckptd.verifier")
 
@@ -63,25 +62,22 @@ def file_digest(path: str) -> str:
     return StreamDigest().finish(path)  # nothing consumed yet: finish hashes the whole file
 
 
-def read_sidecar(root: str, path: str) -> dict[str, object] | None:
+def read_sidecar(store: PosixStorage, path: str) -> dict[str, object] | None:
     """The trainer's commit hint ``<shard>.done`` (JSON: size, xxh3_128), if present, a regular
-    file inside the root (never a symlink or FIFO: ``ckptd.confine``) and readable."""
+    file inside the root (never a symlink or FIFO: the store is confined) and readable."""
     sidecar = sidecar_for(path)
-    if not os.path.lexists(sidecar):  # the usual case (MindSpore writes none): one lstat, no walk from the root
+    if not store.exists(sidecar):  # the usual case (MindSpore writes none): one lstat, no walk from the root
         return None
     try:
-        data = json.loads(confine.read_beneath(root, sidecar, 4096))
-    except (OSError, ValueError, RecursionError, confine.ConfinementError):  # RecursionError: [[[[... nesting
+        data = json.loads(store.read(sidecar, 4096))
+    except (OSError, ValueError, RecursionError, ConfinementError):  # RecursionError: [[[[... nesting
         return None
     return data if isinstance(data, dict) else None
 
 
-def stat_of(path: str) -> repo.FileStat | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    return repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
+def stat_of(store: PosixStorage, path: str) -> repo.FileStat | None:
+    st = store.stat(path)
+    return None if st is None else repo.FileStat(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 # --- one shard ---------------------------------------------------------------------------------
@@ -89,12 +85,15 @@ def stat_of(path: str) -> repo.FileStat | None:
 
 @dataclass(frozen=True)
 class ShardRules:
-    """What a shard must satisfy besides its own format, and the key to read it with."""
+    """Where shards are read, what they must satisfy besides their own format, and the key to
+    read them with; ``stamp`` names the configuration a verdict depends on besides the file
+    (``Settings.verification_stamp``: a daemon with another one re-verifies)."""
 
-    root: str
+    store: PosixStorage
     key: bytes | None = None
     require_crc: bool = False
     require_encryption: bool = False
+    stamp: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,24 +139,24 @@ def verify_one(rules: ShardRules, path: str, known_digest: str | None = None, fa
     index ingest parsed seconds ago (same inode, size, mtime and ctime: the same bytes as
     written) is reused from ``index_cache``; a later one (a scrub looking for damage below the
     file system) parses the records from the bytes again."""
-    before = stat_of(path)
+    before = stat_of(rules.store, path)
     if before is None:
         return ShardOutcome(None)
     t0 = time.perf_counter()
     try:
         # the very file that passed confinement (never a symlink, FIFO or device) is read, by
-        # descriptor: a name swapped meanwhile cannot redirect the read (ckptd.confine)
-        with confine.opened(rules.root, path) as name:
+        # descriptor: a name swapped meanwhile cannot redirect the read
+        with rules.store.opened(path) as name:
             found, problems = (_check_record(name, path) if path.endswith(".json")
                                else _check_file(rules, name, path, facts, index_cache if known_digest is None else None))
-    except confine.ConfinementError as err:
+    except ConfinementError as err:
         found, problems = {"digest": known_digest}, [(err.code, err.message)]
     except FileNotFoundError:
         return ShardOutcome(None)
     if known_digest is not None and found["digest"] != known_digest:
         problems.insert(0, ("content_changed", f"content differs from the digest recorded at ingest ({known_digest[:12]}…)"))
         found["digest"] = known_digest  # keep the evidence of what the file was
-    if stat_of(path) != before:
+    if stat_of(rules.store, path) != before:
         return ShardOutcome(before)  # the file changed under us: verify the new version
     return ShardOutcome(before, ShardState.CORRUPT if problems else ShardState.VERIFIED,
                         error_code=problems[0][0] if problems else None,
@@ -187,7 +186,7 @@ def _check_file(rules: ShardRules, name: str, path: str, facts: FactsJob | None,
         if taken is not None:  # taken only with a facts job
             found["facts"] = facts.plan.encode(taken, facts.seq)
     problems = [(p.code, f"{p.message}" + (f" @ byte {p.offset}" if p.offset is not None else "")) for p in report.problems]
-    hint = read_sidecar(rules.root, path)
+    hint = read_sidecar(rules.store, path)
     if hint is not None and (hint.get("size") != os.path.getsize(name) or hint.get("xxh3_128") not in (None, found["digest"])):
         # after the format checks: a CRC error with its byte offset says more than "differs"
         problems.append(("sidecar_mismatch", f"differs from the trainer's .done record (size {hint.get('size')}, "
@@ -227,15 +226,12 @@ def _earlier_ask(a: datetime | None, b: datetime | None) -> datetime | None:
 class ShardVerifier:
     """Verification on the caller's thread; the counters are what ``/metrics`` reports."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None,
-                 nodes: NodeView | None = None) -> None:
-        self.sessions, self.index_cache = sessions, index_cache
+    def __init__(self, rules: ShardRules, sessions: sessionmaker[Session], steps: StepJudge, nodes: NodeView,
+                 index_cache: IndexCache | None = None) -> None:
+        self.rules, self.sessions, self.steps, self.index_cache = rules, sessions, steps, index_cache
         # only the node that sees a file judges it; several nodes on one shared root split the work
-        self.nodes = nodes or NodeView(sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
-        self.key = settings.encryption_key()
-        self.rules = ShardRules(str(settings.root), self.key, settings.require_crc, settings.require_encryption)
-        self.stamp = settings.verification_stamp()  # what a verdict depended on besides the file
-        self.steps = StepJudge(settings, sessions, self.key, index_cache)
+        self.nodes = nodes
+        self.stamp = rules.stamp  # what a verdict depended on besides the file
         self._counting = threading.Lock()  # workers and a re-verification job count at once
         self.verified_count = self.failed_count = self.verified_bytes = 0
         self.verify_seconds = 0.0
@@ -312,13 +308,13 @@ class ShardVerifier:
             log.warning("shard %s is corrupt: %s", paths[v.shard_id], v.values["error"])
         return result
 
-    def due_for_scrub(self, root: str, max_age: float, limit: int) -> list[int]:
-        """Verified shards under ``root`` whose last verification is older than ``max_age``
+    def due_for_scrub(self, max_age: float, limit: int) -> list[int]:
+        """Verified shards under the root whose last verification is older than ``max_age``
         seconds, oldest first (index ``ix_shards_state_verified_at``). Re-verifying them compares
         the bytes with the digest taken at ingest, so in-place corruption that keeps size and
         mtime (which a rescan cannot see) turns the shard — and its step — corrupt."""
         cutoff = datetime.now(timezone.utc) - timedelta(seconds=max_age)
-        prefix = root.rstrip(os.sep) + os.sep
+        prefix = self.rules.store.root.rstrip(os.sep) + os.sep
         with self.sessions() as s:
             return verdicts.verified_before(s, prefix, cutoff, self.nodes.owner(), limit)
 
@@ -344,13 +340,13 @@ class ShardVerifier:
 class Verifier(ShardVerifier):
     """``ShardVerifier`` plus ``verify_workers`` threads working a queue keyed by checkpoint."""
 
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], index_cache: IndexCache | None = None,
-                 nodes: NodeView | None = None) -> None:
-        super().__init__(settings, sessions, index_cache, nodes)
+    def __init__(self, rules: ShardRules, sessions: sessionmaker[Session], steps: StepJudge, nodes: NodeView,
+                 index_cache: IndexCache | None = None, *, workers: int = 2) -> None:
+        super().__init__(rules, sessions, steps, nodes, index_cache)
         # checkpoint id -> {shard id: its ask (see submit)}; an empty entry asks for the step checks
         self.queue: KeyedQueue[int, int, datetime | None] = KeyedQueue(_BATCH, _earlier_ask)
         self._workers = [threading.Thread(target=self._work, name=f"ckptd-verify-{i}", daemon=True)
-                         for i in range(settings.verify_workers)]
+                         for i in range(workers)]
         for t in self._workers:
             t.start()
 
