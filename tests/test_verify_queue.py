@@ -16,6 +16,7 @@ import threading
 import pytest
 import xxhash
 
+from ckptd.storage import PosixStorage
 from ckptd.service.verifier import ShardRules, verify_one
 from ckptd.service.workqueue import KeyedQueue
 from ckptd.states import ShardState
@@ -140,7 +141,7 @@ def test_keyed_queue_with_real_threads():
 
 def test_verify_one_returns_the_outcome_of_one_file(ms, root):
     path = save_shard(ms, root, "run", 0, 30)  # CRC trailer, step_num 30
-    rules = ShardRules(str(root), require_crc=True)
+    rules = ShardRules(PosixStorage(str(root)), require_crc=True)
     out = verify_one(rules, str(path))
     assert out.state == ShardState.VERIFIED and out.error is None
     assert out.digest == xxhash.xxh3_128(path.read_bytes()).hexdigest()
