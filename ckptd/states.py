@@ -92,6 +92,18 @@ class StepState(str, enum.Enum):
     SUPERSEDED = "superseded"  # a history row: what an older layout's save of a step left behind
 
 
+class Tier(str, enum.Enum):
+    """Where a copy of a shard lives (``shard_copies.tier``). The file tier's copy of a shard is the
+    shard row itself (``shards.path``, ``shards.state``): every shard has one, the hot ingest and
+    verification paths write only that row, and a second row per file would double their writes
+    for no new fact. The other tiers hold rows in ``shard_copies``; their states are
+    :class:`ShardState` values with the same promises (``verified`` = the copy's bytes were checked)."""
+
+    FILE = "file"
+    MEMORY = "memory"  # a committed slot in a node's shared memory (flash checkpoints)
+    OBJECT = "object"  # objects in S3-compatible storage, committed by a per-step manifest
+
+
 #: ``checkpoints.kind`` of the history rows that hold superseded shards
 SUPERSEDED_KIND = "superseded"
 #: kinds of steps a trainer saves (and may save again under a newer layout)

@@ -43,7 +43,7 @@ def test_0007_widens_name_numbers_and_fills_plain_incarnations(catalog_url):
     from alembic import command
     from sqlalchemy import text
 
-    from ckptd.catalog.db import CatalogError, current_revision
+    from ckptd.catalog.db import CatalogError, current_revision, head_revision
 
     engine = make_engine(catalog_url)
     try:
@@ -74,7 +74,7 @@ def test_0007_widens_name_numbers_and_fills_plain_incarnations(catalog_url):
         if engine.dialect.name == "postgresql":  # SQLite's columns were never narrower
             with pytest.raises(CatalogError, match="beyond 2147483647"):
                 command.downgrade(_alembic(engine), "0006")
-            assert current_revision(engine) == "0007"
+            assert current_revision(engine) == head_revision()  # refused as a whole: nothing downgraded
             with engine.connect() as conn:  # the refused downgrade changed nothing
                 assert conn.execute(text("SELECT epoch FROM checkpoints WHERE id = 1")).scalar() == 2**62
         with engine.begin() as conn:
@@ -87,6 +87,44 @@ def test_0007_widens_name_numbers_and_fills_plain_incarnations(catalog_url):
             conn.execute(text("UPDATE checkpoints SET incarnation = 7 WHERE id = 2"))
         with engine.connect() as conn:
             assert conn.execute(text("SELECT generation FROM resume_generations WHERE run_id = 1")).scalar() > before
+    finally:
+        engine.dispose()
+    test_migrated_schema_matches_the_models(catalog_url)
+
+
+def test_0008_shard_copies_down_and_up(catalog_url):
+    """0008 adds the table of copies and its resume-generation triggers; down drops both, up restores them."""
+    from alembic import command
+    from sqlalchemy import inspect, text
+
+    from ckptd.catalog.db import current_revision
+
+    engine = make_engine(catalog_url)
+    try:
+        command.downgrade(_alembic(engine), "0007")
+        assert current_revision(engine) == "0007" and "shard_copies" not in inspect(engine).get_table_names()
+        command.upgrade(_alembic(engine), "head")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO runs (id, name, path, created_at) VALUES (1, 'r', '/r', CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO checkpoints (id, run_id, prefix, epoch, step, kind, layout, state, pinned, "
+                              "marked_bad, created_at, updated_at) VALUES (1, 1, 'net', 1, 5, 'trained', '', "
+                              "'verified', false, false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO shards (id, checkpoint_id, rank, path, size, mtime_ns, inode, state, "
+                              "quarantined, verify_seq, seen_at) VALUES (1, 1, 0, '/r/rank_0/net-1_5.ckpt', 1, 0, 0, "
+                              "'verified', false, 0, CURRENT_TIMESTAMP)"))
+        gen = "SELECT generation FROM resume_generations WHERE run_id = 1"
+        with engine.begin() as conn:
+            before = conn.execute(text(gen)).scalar()
+            conn.execute(text("INSERT INTO shard_copies (shard_id, tier, location, state, created_at) VALUES "
+                              "(1, 'object', 's3://b/r/5/rank_0/net-1_5.ckpt', 'verified', CURRENT_TIMESTAMP)"))
+        with engine.begin() as conn:
+            after_insert = conn.execute(text(gen)).scalar()
+            conn.execute(text("UPDATE shard_copies SET state = 'corrupt'"))
+        with engine.begin() as conn:
+            after_update = conn.execute(text(gen)).scalar()
+            conn.execute(text("UPDATE shard_copies SET error = 'only an error text'"))  # no answer changes
+        with engine.connect() as conn:
+            assert before < after_insert < after_update == conn.execute(text(gen)).scalar()
     finally:
         engine.dispose()
     test_migrated_schema_matches_the_models(catalog_url)

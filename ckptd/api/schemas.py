@@ -201,6 +201,19 @@ class StepOut(_Out):
     marked_bad: bool
     pinned: bool
     strategy_file: str | None
+    tiers: list[str] | None = Field(None, description="the storage tiers the step is whole on (file, memory, "
+                                                      "object): every live shard has a verified copy there")
+
+
+class CopyOut(_Out):
+    tier: str = Field(description="file | memory | object")
+    location: str = Field(description="the copy's URI (file://, memory://, s3://)")
+    state: str
+    size: int | None
+    digest: str | None
+    node: str | None
+    error: str | None
+    verified_at: str | None
 
 
 class ShardOut(_Out):
@@ -219,6 +232,7 @@ class ShardOut(_Out):
     verified_at: str | None
     node: str | None = None  # the node whose daemon saw the file (docs/ARCHITECTURE.md, Nodes)
     reachable: bool | None = None  # its daemon's heartbeat is within node_timeout (None: no registered node)
+    copies: list[CopyOut] | None = Field(None, description="every copy of the shard, the file tier's first")
 
 
 class StepDetailOut(StepOut):

@@ -167,6 +167,29 @@ class Shard(Base):
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="shards")
 
 
+class ShardCopy(Base):
+    """A copy of a shard on a tier other than the file tier (``ckptd.states.Tier``; the file tier's
+    copy is the shard row itself). ``location`` is a URI the tier's backend understands
+    (``memory://<node>/<run>/rank_<r>/<step>``, ``s3://<bucket>/<key>``)."""
+
+    __tablename__ = "shard_copies"
+    __table_args__ = (
+        UniqueConstraint("shard_id", "tier", "location"),
+        Index("ix_shard_copies_tier_state", "tier", "state"),  # a tier's scrub and retention
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id"), index=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    location: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))  # a ckptd.states.ShardState value
+    size: Mapped[int | None] = mapped_column(BigInteger)
+    digest: Mapped[str | None] = mapped_column(String(64))  # xxh3-128 of the copy's bytes
+    node: Mapped[str | None] = mapped_column(String(255))  # the node that holds (memory) or wrote (object) it
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    verified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
 class Node(Base):
     """A daemon's node: it owns the files it sees; silent past ``node_timeout`` = unreachable."""
 

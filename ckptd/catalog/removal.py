@@ -9,7 +9,7 @@ from __future__ import annotations
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ckptd.catalog import repo
+from ckptd.catalog import copies, repo
 from ckptd.catalog.models import Checkpoint, ConversionJob, Run, Shard, VerificationEvent
 from ckptd.states import ShardState, StepState
 
@@ -64,6 +64,7 @@ def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
     shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
     s.execute(delete(VerificationEvent).where(
         (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
+    copies.delete_of_shards(s, list(shard_ids))
     s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
     s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id))
 

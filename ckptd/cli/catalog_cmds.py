@@ -165,9 +165,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows = [("?" if x["training_step"] is None else x["training_step"], x["epoch"], x["step"],
                      "" if x["incarnation"] is None else x["incarnation"], x["kind"], x["state"],
                      "yes" if x["restorable"] else "no",
-                     "bad" if x["marked_bad"] else ("pinned" if x["pinned"] else ""), (x["reason"] or "")[:80]) for x in steps]
-            _emit(args, steps, _table(rows, ("STEP", "EPOCH", "NAME STEP", "INC", "KIND", "STATE", "RESTORABLE", "MARK",
-                                             "REASON")))
+                     ",".join(x["tiers"]) or "-", "bad" if x["marked_bad"] else ("pinned" if x["pinned"] else ""),
+                     (x["reason"] or "")[:80]) for x in steps]
+            _emit(args, steps, _table(rows, ("STEP", "EPOCH", "NAME STEP", "INC", "KIND", "STATE", "RESTORABLE", "TIERS",
+                                             "MARK", "REASON")))
     return 0
 
 
@@ -181,10 +182,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     step = "?" if doc["training_step"] is None else doc["training_step"]
     named = f"epoch {doc['epoch']}" + (f", file-name step {doc['step']}" if doc["step"] != step else "")
     head = (f"run {args.run} step {step} ({named}): {doc['state']}"
-            f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}")
+            f"{' — ' + doc['reason'] if doc['reason'] else ''}\nstrategy: {doc['strategy_file'] or '-'}\n"
+            f"whole on: {', '.join(doc['tiers']) or 'no tier'}")
     rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], _node_cell(x), x["error"] or "",
              x["path"]) for x in doc["shards"]]
-    _emit(args, doc, head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "NODE", "ERROR", "PATH")))
+    text = head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "NODE", "ERROR", "PATH"))
+    others = [(x["rank"], cp["tier"], cp["state"], cp["size"], cp["node"] or "-", cp["error"] or "", cp["location"])
+              for x in doc["shards"] for cp in x["copies"][1:]]  # [0] is the file tier's, the row above
+    if others:
+        text += "\n\ncopies on other tiers:\n" + _table(others, ("RANK", "TIER", "STATE", "BYTES", "NODE", "ERROR",
+                                                                    "LOCATION"))
+    _emit(args, doc, text)
     return 0 if doc["restorable"] else 1
 
 

@@ -12,12 +12,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from ckptd.catalog import reads
+from ckptd.catalog import copies, reads
 from ckptd.catalog.models import Checkpoint, Run, Shard, StepHealth, as_utc
 from ckptd.catalog.repo import insert_ignore
 from ckptd.errors import CkptdError
 from ckptd import runlayout, stepname
-from ckptd.states import ShardState, StepState
+from ckptd.states import ShardState, StepState, Tier
 
 
 class NotFoundError(CkptdError):
@@ -89,7 +89,10 @@ def list_runs(s: Session) -> list[dict[str, Any]]:
 
 
 def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[Shard] | None = None,
-              shards_step: int | None = None) -> dict[str, Any]:
+              shards_step: int | None = None, tiers: list[Tier] | None = None,
+              held: dict[int, list[copies.Copy]] | None = None) -> dict[str, Any]:
+    """A step as the API and the CLI show it. ``tiers``: the tiers it is whole on
+    (``copies.whole_tiers``; omitted from the dict when not asked); ``held``: each shard's copies."""
     users = stepname.users_step(c.global_step, shards_step, c.epoch, c.step)
     out: dict[str, Any] = {
         "step": c.step,
@@ -112,13 +115,20 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
         "strategy_file": strategy_path,
         "updated_at": iso_time(c.updated_at),
     }
+    if tiers is not None:
+        out["tiers"] = [t.value for t in tiers]
     if shards is not None:
-        out["shards"] = [shard_dict(sh) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
+        out["shards"] = [shard_dict(sh, (held or {}).get(sh.id)) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
     return out
 
 
-def shard_dict(sh: Shard) -> dict[str, Any]:
-    return {
+def copy_dict(cp: copies.Copy) -> dict[str, Any]:
+    return {"tier": cp.tier.value, "location": cp.location, "state": cp.state, "size": cp.size, "digest": cp.digest,
+            "node": cp.node, "error": cp.error, "verified_at": iso_time(cp.verified_at)}
+
+
+def shard_dict(sh: Shard, held: list[copies.Copy] | None = None) -> dict[str, Any]:
+    out = {
         "rank": sh.rank,
         "path": sh.path,
         "state": sh.state,
@@ -134,6 +144,9 @@ def shard_dict(sh: Shard) -> dict[str, Any]:
         "verified_at": iso_time(sh.verified_at),
         "node": sh.node,
     }
+    if held is not None:
+        out["copies"] = [copy_dict(cp) for cp in held]
+    return out
 
 
 def list_steps(s: Session, run_name: str, state: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
@@ -144,7 +157,8 @@ def list_steps(s: Session, run_name: str, state: str | None = None, limit: int =
         )
     rows = reads.steps_with_shards_step(s, run.id, state, limit)
     paths = reads.strategy_paths(s, {c.strategy_id for c, _ in rows if c.strategy_id})
-    return [step_dict(c, strategy_path=paths.get(c.strategy_id), shards_step=seen) for c, seen in rows]
+    tiers = copies.whole_tiers(s, [c for c, _ in rows])
+    return [step_dict(c, strategy_path=paths.get(c.strategy_id), shards_step=seen, tiers=tiers[c.id]) for c, seen in rows]
 
 
 def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict[str, Any]:
@@ -158,7 +172,7 @@ def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict
     seen = max((sh.global_step for sh in shards if sh.global_step is not None and sh.state == ShardState.VERIFIED.value),
                default=None)
     doc = step_dict(c, strategy_path=reads.strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards),
-                    shards_step=seen)
+                    shards_step=seen, tiers=copies.whole_tiers(s, [c])[c.id], held=copies.of_shards(s, list(shards)))
     known = nodes.statuses(s, node_timeout)
     for sh in doc["shards"]:
         sh["reachable"] = known[sh["node"]].reachable if sh["node"] in known else None

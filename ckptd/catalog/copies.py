@@ -1,0 +1,109 @@
+"""The table of copies: every copy of a shard on every tier (``ckptd.states.Tier``).
+
+A tier is a storage backend plus rows here; the memory and object tiers add rows, not code paths.
+The file tier's copy of a shard is the shard row itself (why: ``Tier``'s docstring), so the reads
+below put it next to the other tiers' rows and callers see one list of copies per shard.
+A step is *whole on a tier* when every one of its live shards (not superseded) has a verified copy
+there; on the file tier that is the step's own verdict (``verified``: the step checks passed too).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from ckptd.catalog import repo
+from ckptd.catalog.models import Checkpoint, Shard, ShardCopy, utcnow
+from ckptd.states import ShardState, StepState, Tier
+from ckptd.storage import file_uri
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of one shard: where it is and what ckptd knows of it."""
+
+    shard_id: int
+    tier: Tier
+    location: str
+    state: str
+    size: int | None
+    digest: str | None
+    node: str | None
+    error: str | None = None
+    verified_at: datetime | None = None
+
+
+def file_copy(sh: Shard) -> Copy:
+    """The file tier's copy of a shard: the shard row, its path as a URI."""
+    return Copy(sh.id, Tier.FILE, file_uri(sh.path), sh.state, sh.size, sh.digest, sh.node, sh.error, sh.verified_at)
+
+
+def _of_row(r: ShardCopy) -> Copy:
+    return Copy(r.shard_id, Tier(r.tier), r.location, r.state, r.size, r.digest, r.node, r.error, r.verified_at)
+
+
+def record(s: Session, shard_id: int, tier: Tier, location: str, *, state: ShardState, size: int | None = None,
+           digest: str | None = None, node: str | None = None, error: str | None = None) -> None:
+    """Record (or update) the copy of ``shard_id`` at ``location`` on ``tier`` (not the file tier: its
+    copy is the shard row). Race-free between daemons: an insert that loses to another's becomes an
+    update of the row that won."""
+    if tier is Tier.FILE:
+        raise ValueError("the file tier's copy is the shard row itself; record it through ingest")
+    values = {"state": state.value, "size": size, "digest": digest, "node": node, "error": error,
+              "verified_at": utcnow() if state is ShardState.VERIFIED else None}
+    key = {"shard_id": shard_id, "tier": tier.value, "location": location}
+    if not repo.insert_ignore(s, ShardCopy, {**key, **values, "created_at": utcnow()}, list(key)):
+        s.execute(update(ShardCopy).where(*(getattr(ShardCopy, k) == v for k, v in key.items())).values(**values))
+
+
+def set_state(s: Session, shard_id: int, tier: Tier, location: str, state: ShardState, error: str | None = None) -> int:
+    """A copy's new verdict (a scrub, a vanished slot or object); the number of rows changed."""
+    return s.execute(update(ShardCopy).where(
+        ShardCopy.shard_id == shard_id, ShardCopy.tier == tier.value, ShardCopy.location == location).values(
+        state=state.value, error=error, verified_at=utcnow() if state is ShardState.VERIFIED else None)).rowcount
+
+
+def of_shards(s: Session, shards: list[Shard]) -> dict[int, list[Copy]]:
+    """Every copy of each shard, the file tier's first, then the others by tier and location."""
+    out: dict[int, list[Copy]] = {sh.id: [file_copy(sh)] for sh in shards}
+    if out:
+        rows = s.execute(select(ShardCopy).where(ShardCopy.shard_id.in_(list(out)))
+                         .order_by(ShardCopy.shard_id, ShardCopy.tier, ShardCopy.location)).scalars()
+        for r in rows:
+            out[r.shard_id].append(_of_row(r))
+    return out
+
+
+def whole_tiers(s: Session, steps: list[Checkpoint]) -> dict[int, list[Tier]]:
+    """For each step, the tiers it is whole on (file first): one grouped query for all of them."""
+    out: dict[int, list[Tier]] = {c.id: [Tier.FILE] if c.state == StepState.VERIFIED.value else [] for c in steps}
+    ids = list(out)
+    if not ids:
+        return out
+    live = Shard.state != ShardState.SUPERSEDED.value
+    held = s.execute(
+        select(Shard.checkpoint_id, ShardCopy.tier, func.count(func.distinct(ShardCopy.shard_id)))
+        .join(Shard, Shard.id == ShardCopy.shard_id)
+        .where(Shard.checkpoint_id.in_(ids), live, ShardCopy.state == ShardState.VERIFIED.value)
+        .group_by(Shard.checkpoint_id, ShardCopy.tier)).all()
+    if not held:
+        return out
+    counts = dict(s.execute(select(Shard.checkpoint_id, func.count()).where(
+        Shard.checkpoint_id.in_({ckpt for ckpt, _, _ in held}), live).group_by(Shard.checkpoint_id)).all())
+    extra: dict[int, list[Tier]] = defaultdict(list)
+    for ckpt, tier, n in held:
+        if n == counts.get(ckpt):
+            extra[ckpt].append(Tier(tier))
+    for ckpt, tiers in extra.items():
+        out[ckpt].extend(sorted(tiers, key=list(Tier).index))
+    return out
+
+
+def delete_of_shards(s: Session, shard_ids: list[int]) -> None:
+    """The copy rows of shards whose rows go (retention deletes a step's rows, its copies' first)."""
+    if shard_ids:
+        s.execute(delete(ShardCopy).where(ShardCopy.shard_id.in_(shard_ids)))
