@@ -429,4 +429,4 @@ def test_resume_generation_triggers_exist_at_head(catalog_url):
     sql = ("SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND name LIKE 'ckptd_resume_gen_%'"
            if catalog_url.startswith("sqlite") else
            "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'ckptd_resume_gen_%' AND NOT tgisinternal")
-    assert query(catalog_url, sql) == [(11,)]
+    assert query(catalog_url, sql) == [(14,)]  # 11 of 0002 and 3 of 0008 (shard_copies)
