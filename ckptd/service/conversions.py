@@ -7,7 +7,7 @@ checkpoint (``derived_from_id`` → the source step; target strategy registered)
 ``conversion_jobs`` row holding both strategy hashes. The resume oracle then serves it to a job
 restarting on the target layout. The source step is leased while it is being read. The copy is
 written through a descriptor of its output directory and catalogued from what was written
-(:mod:`ckptd.service.copies`: also when a lost copy is replaced and when an existing one blocks).
+(:mod:`ckptd.service.converted`: also when a lost copy is replaced and when an existing one blocks).
 
 Every conversion runs as a job (:mod:`ckptd.service.jobs`: the API's job, or one ``convert_step``
 records for ``ckptd convert --run``), which names the process running it and carries its
@@ -36,7 +36,7 @@ from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, StrategyFi
 from ckptd.convert.iteration_source import iteration_source
 from ckptd.errors import CkptdError
 from ckptd.format.strategy import MAX_STRATEGY_BYTES, Strategy, encode_strategy, load_strategy, parse_strategy_bytes
-from ckptd.service import copies, jobs
+from ckptd.service import converted, jobs
 from ckptd.service.catalog import InvalidRequestError, iso_time, get_run, get_step
 from ckptd.service.verifier import stat_of
 from ckptd.split import ParallelSplit
@@ -256,7 +256,7 @@ def convert_step(
             reused = _intact_copy(s, store, src_id, target_hash, out)
             if reused is not None:  # converting the same step into the same layout again: it is done
                 return reused
-            blocked = copies.blocking_copy(s, store, meta, target_hash, node)  # a lost copy is replaced, a whole one kept
+            blocked = converted.blocking_copy(s, store, meta, target_hash, node)  # a lost copy is replaced, a whole one kept
         if blocked is not None:
             raise InvalidRequestError(blocked, hint="a copy's files may be deleted with the step (ckptd gc) or by hand")
         below_root = runlayout.relative_parts(store.root, out) is not None
@@ -264,8 +264,8 @@ def convert_step(
             store.check_dir(out)
         sources = _confined_sources(stack, store, files)
         plan = plan_conversion(read_inventory(sources, key), src_strategy, target, subset=iteration)
-        # the whole copy is written through this descriptor (ckptd.service.copies)
-        out_handle = stack.enter_context(copies.open_output(store, out))
+        # the whole copy is written through this descriptor (ckptd.service.converted)
+        out_handle = stack.enter_context(converted.open_output(store, out))
         strategy_path = runlayout.converted_strategy_path(out) if target is not None else None
         strategy_bytes = encode_strategy(target, "proto") if target is not None else None  # strategy.ckpt: protobuf
         strategy_file = (os.path.basename(strategy_path), strategy_bytes) if target is not None else None
@@ -294,12 +294,12 @@ def convert_step(
                 raise ConfinementError("the output directory was moved or replaced during the conversion; "
                                                "the copy is not catalogued", path=out,
                                                hint="something else writes there: find out what before converting again")
-            derived = copies.register(sessions, store, meta, src_id, target, target_hash,
+            derived = converted.register(sessions, store, meta, src_id, target, target_hash,
                                       (strategy_path, strategy_bytes) if target is not None else None,
-                                      copies.written_files(report), report.out_format, report.encrypted, node)
+                                      converted.written_files(report), report.out_format, report.encrypted, node)
         except BaseException as exc:
             if report is not None:  # written but not catalogued: nothing that looks like a finished copy stays
-                copies.discard(out_handle, report)
+                converted.discard(out_handle, report)
             error = str(exc) if isinstance(exc, CkptdError) else exc.__class__.__name__
             with sessions.begin() as s:
                 row = s.get(ConversionJob, conv_id)
