@@ -30,15 +30,17 @@ def server(root, catalog_url):
 
 
 def _shards(url: str, step: int) -> list[tuple[int, int, str]]:
-    return query(url, "SELECT s.id, s.rank, s.path FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
+    """(step id, rank, path) of each shard of ``step``."""
+    return query(url, "SELECT c.id, s.rank, s.path FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id "
                       "WHERE c.step = :step ORDER BY s.rank", step=step)
 
 
-def _record(url: str, shard_id: int, tier: Tier, location: str, state: ShardState = ShardState.VERIFIED) -> None:
+def _record(url: str, ckpt_id: int, rank: int, tier: Tier, location: str,
+            state: ShardState = ShardState.VERIFIED) -> None:
     engine = make_engine(url)
     try:
         with Session(engine) as s, s.begin():
-            copies.record(s, shard_id, tier, location, state=state, size=123, digest="d" * 32, node="n1")
+            copies.record(s, ckpt_id, rank, tier, location, state=state, size=123, digest="d" * 32, node="n1")
     finally:
         engine.dispose()
 
@@ -65,9 +67,9 @@ def test_a_step_is_whole_on_a_tier_when_every_shard_has_a_verified_copy_there(ms
 
     before = _generation(catalog_url)
     s200, s100 = _shards(catalog_url, 200), _shards(catalog_url, 100)
-    for shard_id, rank, _ in s200:
-        _record(catalog_url, shard_id, Tier.OBJECT, f"s3://bucket/ckpt/run1/200/rank_{rank}/net-1_200.ckpt")
-    _record(catalog_url, s100[0][0], Tier.OBJECT, "s3://bucket/ckpt/run1/100/rank_0/net-1_100.ckpt")
+    for ckpt_id, rank, _ in s200:
+        _record(catalog_url, ckpt_id, rank, Tier.OBJECT, f"s3://bucket/ckpt/run1/200/rank_{rank}/net-1_200.ckpt")
+    _record(catalog_url, s100[0][0], 0, Tier.OBJECT, "s3://bucket/ckpt/run1/100/rank_0/net-1_100.ckpt")
     # a copy can change where a step is restored from: the resume cache must not outlive it
     assert _generation(catalog_url) > before
 
@@ -83,9 +85,10 @@ def test_a_step_is_whole_on_a_tier_when_every_shard_has_a_verified_copy_there(ms
             ("object", f"s3://bucket/ckpt/run1/200/rank_{rank}/net-1_200.ckpt", "verified")]
 
     # recording again updates the row (one row per shard, tier and location), never a second one
-    _record(catalog_url, s200[1][0], Tier.OBJECT, f"s3://bucket/ckpt/run1/200/rank_1/net-1_200.ckpt",
+    _record(catalog_url, s200[1][0], 1, Tier.OBJECT, "s3://bucket/ckpt/run1/200/rank_1/net-1_200.ckpt",
             ShardState.CORRUPT)
-    assert query(catalog_url, "SELECT count(*) FROM shard_copies WHERE shard_id = :id", id=s200[1][0]) == [(1,)]
+    assert query(catalog_url, "SELECT count(*) FROM shard_copies WHERE checkpoint_id = :id AND rank = 1",
+                 id=s200[1][0]) == [(1,)]
     assert reader.get("/v1/runs/run1/steps/200").json()["tiers"] == ["file"]
 
     listed = _cli(catalog_url, "ls", "run1")
@@ -98,12 +101,24 @@ def test_a_step_is_whole_on_a_tier_when_every_shard_has_a_verified_copy_there(ms
     as_json = json.loads(_cli(catalog_url, "show", "run1", "200", "--json").stdout)
     assert [c["tier"] for c in as_json["shards"][0]["copies"]] == ["file", "object"]
 
+    # a step whose files are torn (rank 1 never saved) but whose every rank is in memory: whole on
+    # that tier only, and rank 1's copy is listed though no shard file of it exists
+    save_shard(ms, root, "run1", 0, 300)
+    server.settle()
+    ckpt300 = _shards(catalog_url, 300)[0][0]
+    for rank in range(2):
+        _record(catalog_url, ckpt300, rank, Tier.MEMORY, f"memory://n1/run1/rank_{rank}/slot_0")
+    doc = reader.get("/v1/runs/run1/steps/300").json()
+    assert doc["state"] == "incomplete" and doc["tiers"] == ["memory"]
+    assert [c["location"] for c in doc["shards"][0]["copies"]][1:] == ["memory://n1/run1/rank_0/slot_0"]
+    assert [(c["rank"], c["location"]) for c in doc["copies_without_file"]] == [(1, "memory://n1/run1/rank_1/slot_0")]
+
     # retention deleting a step deletes its copies' rows with it (on PostgreSQL the foreign key
     # would refuse the shard rows' delete otherwise)
     gc = _cli(catalog_url, "gc", "--run", "run1", "--keep-last", "1", "--root", str(root))
     assert gc.returncode == 0, gc.stdout + gc.stderr
-    assert query(catalog_url, "SELECT count(*) FROM shard_copies WHERE shard_id = :id", id=s100[0][0]) == [(0,)]
-    assert query(catalog_url, "SELECT count(*) FROM shard_copies") == [(2,)]
+    assert query(catalog_url, "SELECT count(*) FROM shard_copies WHERE checkpoint_id = :id", id=s100[0][0]) == [(0,)]
+    assert query(catalog_url, "SELECT count(*) FROM shard_copies WHERE checkpoint_id = :id", id=s200[0][0]) == [(2,)]
 
 
 def test_the_file_tier_is_the_shard_row_itself(root, catalog_url, server):
@@ -112,7 +127,7 @@ def test_the_file_tier_is_the_shard_row_itself(root, catalog_url, server):
     try:
         with Session(engine) as s:
             with pytest.raises(ValueError, match="shard row itself"):
-                copies.record(s, 1, Tier.FILE, "file:///x", state=ShardState.VERIFIED)
+                copies.record(s, 1, 0, Tier.FILE, "file:///x", state=ShardState.VERIFIED)
             sh = Shard(id=7, rank=0, path="/r/a b%.ckpt", size=1, mtime_ns=0, inode=0, state="verified")
             assert copies.file_copy(sh).location == "file:///r/a%20b%25.ckpt"
     finally:

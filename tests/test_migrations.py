@@ -115,8 +115,8 @@ def test_0008_shard_copies_down_and_up(catalog_url):
         gen = "SELECT generation FROM resume_generations WHERE run_id = 1"
         with engine.begin() as conn:
             before = conn.execute(text(gen)).scalar()
-            conn.execute(text("INSERT INTO shard_copies (shard_id, tier, location, state, created_at) VALUES "
-                              "(1, 'object', 's3://b/r/5/rank_0/net-1_5.ckpt', 'verified', CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO shard_copies (checkpoint_id, rank, tier, location, state, created_at) VALUES "
+                              "(1, 0, 'object', 's3://b/r/5/rank_0/net-1_5.ckpt', 'verified', CURRENT_TIMESTAMP)"))
         with engine.begin() as conn:
             after_insert = conn.execute(text(gen)).scalar()
             conn.execute(text("UPDATE shard_copies SET state = 'corrupt'"))

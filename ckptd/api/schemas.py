@@ -206,6 +206,7 @@ class StepOut(_Out):
 
 
 class CopyOut(_Out):
+    rank: int
     tier: str = Field(description="file | memory | object")
     location: str = Field(description="the copy's URI (file://, memory://, s3://)")
     state: str
@@ -237,6 +238,8 @@ class ShardOut(_Out):
 
 class StepDetailOut(StepOut):
     shards: list[ShardOut]
+    copies_without_file: list[CopyOut] = Field(default_factory=list, description="copies on other tiers of ranks "
+                                                                               "with no shard file catalogued")
 
 
 class JobOut(_Out):

@@ -3,8 +3,9 @@
 A tier is a storage backend plus rows here; the memory and object tiers add rows, not code paths.
 The file tier's copy of a shard is the shard row itself (why: ``Tier``'s docstring), so the reads
 below put it next to the other tiers' rows and callers see one list of copies per shard.
-A step is *whole on a tier* when every one of its live shards (not superseded) has a verified copy
-there; on the file tier that is the step's own verdict (``verified``: the step checks passed too).
+Copies are keyed by step and rank, not by shard row: a memory snapshot of a step the job never saved
+to files has none. A step is *whole on a tier* when every one of its expected ranks has a verified
+copy there; on the file tier that is the step's own verdict (``verified``: the step checks passed too).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from ckptd.storage import file_uri
 
 @dataclass(frozen=True)
 class Copy:
-    """One copy of one shard: where it is and what ckptd knows of it."""
+    """One copy of one rank's shard of a step: where it is and what ckptd knows of it."""
 
-    shard_id: int
+    rank: int
     tier: Tier
     location: str
     state: str
@@ -39,71 +40,71 @@ class Copy:
 
 def file_copy(sh: Shard) -> Copy:
     """The file tier's copy of a shard: the shard row, its path as a URI."""
-    return Copy(sh.id, Tier.FILE, file_uri(sh.path), sh.state, sh.size, sh.digest, sh.node, sh.error, sh.verified_at)
+    return Copy(sh.rank, Tier.FILE, file_uri(sh.path), sh.state, sh.size, sh.digest, sh.node, sh.error, sh.verified_at)
 
 
 def _of_row(r: ShardCopy) -> Copy:
-    return Copy(r.shard_id, Tier(r.tier), r.location, r.state, r.size, r.digest, r.node, r.error, r.verified_at)
+    return Copy(r.rank, Tier(r.tier), r.location, r.state, r.size, r.digest, r.node, r.error, r.verified_at)
 
 
-def record(s: Session, shard_id: int, tier: Tier, location: str, *, state: ShardState, size: int | None = None,
-           digest: str | None = None, node: str | None = None, error: str | None = None) -> None:
-    """Record (or update) the copy of ``shard_id`` at ``location`` on ``tier`` (not the file tier: its
-    copy is the shard row). Race-free between daemons: an insert that loses to another's becomes an
-    update of the row that won."""
+def record(s: Session, ckpt_id: int, rank: int, tier: Tier, location: str, *, state: ShardState,
+           size: int | None = None, digest: str | None = None, node: str | None = None,
+           error: str | None = None) -> None:
+    """Record (or update) the copy of step ``ckpt_id``'s rank ``rank`` at ``location`` on ``tier``
+    (not the file tier: its copy is the shard row). Race-free between daemons: an insert that loses
+    to another's becomes an update of the row that won."""
     if tier is Tier.FILE:
         raise ValueError("the file tier's copy is the shard row itself; record it through ingest")
     values = {"state": state.value, "size": size, "digest": digest, "node": node, "error": error,
               "verified_at": utcnow() if state is ShardState.VERIFIED else None}
-    key = {"shard_id": shard_id, "tier": tier.value, "location": location}
+    key = {"checkpoint_id": ckpt_id, "rank": rank, "tier": tier.value, "location": location}
     if not repo.insert_ignore(s, ShardCopy, {**key, **values, "created_at": utcnow()}, list(key)):
         s.execute(update(ShardCopy).where(*(getattr(ShardCopy, k) == v for k, v in key.items())).values(**values))
 
 
-def set_state(s: Session, shard_id: int, tier: Tier, location: str, state: ShardState, error: str | None = None) -> int:
+def set_state(s: Session, ckpt_id: int, rank: int, tier: Tier, location: str, state: ShardState,
+              error: str | None = None) -> int:
     """A copy's new verdict (a scrub, a vanished slot or object); the number of rows changed."""
     return s.execute(update(ShardCopy).where(
-        ShardCopy.shard_id == shard_id, ShardCopy.tier == tier.value, ShardCopy.location == location).values(
+        ShardCopy.checkpoint_id == ckpt_id, ShardCopy.rank == rank, ShardCopy.tier == tier.value,
+        ShardCopy.location == location).values(
         state=state.value, error=error, verified_at=utcnow() if state is ShardState.VERIFIED else None)).rowcount
 
 
-def of_shards(s: Session, shards: list[Shard]) -> dict[int, list[Copy]]:
-    """Every copy of each shard, the file tier's first, then the others by tier and location."""
-    out: dict[int, list[Copy]] = {sh.id: [file_copy(sh)] for sh in shards}
-    if out:
-        rows = s.execute(select(ShardCopy).where(ShardCopy.shard_id.in_(list(out)))
-                         .order_by(ShardCopy.shard_id, ShardCopy.tier, ShardCopy.location)).scalars()
-        for r in rows:
-            out[r.shard_id].append(_of_row(r))
-    return out
+def of_step(s: Session, ckpt_id: int, shards: list[Shard]) -> dict[int, list[Copy]]:
+    """Every copy of each rank of a step: the file tier's (its live shard rows) first, then the
+    other tiers' by tier and location."""
+    out: dict[int, list[Copy]] = defaultdict(list)
+    for sh in sorted(shards, key=lambda x: (x.rank, x.path)):
+        if sh.state != ShardState.SUPERSEDED.value:
+            out[sh.rank].append(file_copy(sh))
+    rows = s.execute(select(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id)
+                     .order_by(ShardCopy.rank, ShardCopy.tier, ShardCopy.location)).scalars()
+    for r in rows:
+        out[r.rank].append(_of_row(r))
+    return dict(out)
 
 
 def whole_tiers(s: Session, steps: list[Checkpoint]) -> dict[int, list[Tier]]:
-    """For each step, the tiers it is whole on (file first): one grouped query for all of them."""
+    """For each step, the tiers it is whole on (file first): one grouped query for all of them.
+    Off the file tier a step is whole when every one of its ``expected_ranks`` has a verified copy."""
     out: dict[int, list[Tier]] = {c.id: [Tier.FILE] if c.state == StepState.VERIFIED.value else [] for c in steps}
-    ids = list(out)
-    if not ids:
+    expected = {c.id: c.expected_ranks for c in steps}
+    if not out:
         return out
-    live = Shard.state != ShardState.SUPERSEDED.value
     held = s.execute(
-        select(Shard.checkpoint_id, ShardCopy.tier, func.count(func.distinct(ShardCopy.shard_id)))
-        .join(Shard, Shard.id == ShardCopy.shard_id)
-        .where(Shard.checkpoint_id.in_(ids), live, ShardCopy.state == ShardState.VERIFIED.value)
-        .group_by(Shard.checkpoint_id, ShardCopy.tier)).all()
-    if not held:
-        return out
-    counts = dict(s.execute(select(Shard.checkpoint_id, func.count()).where(
-        Shard.checkpoint_id.in_({ckpt for ckpt, _, _ in held}), live).group_by(Shard.checkpoint_id)).all())
+        select(ShardCopy.checkpoint_id, ShardCopy.tier, func.count(func.distinct(ShardCopy.rank)))
+        .where(ShardCopy.checkpoint_id.in_(list(out)), ShardCopy.state == ShardState.VERIFIED.value)
+        .group_by(ShardCopy.checkpoint_id, ShardCopy.tier)).all()
     extra: dict[int, list[Tier]] = defaultdict(list)
     for ckpt, tier, n in held:
-        if n == counts.get(ckpt):
+        if expected[ckpt] is not None and n == expected[ckpt]:
             extra[ckpt].append(Tier(tier))
     for ckpt, tiers in extra.items():
         out[ckpt].extend(sorted(tiers, key=list(Tier).index))
     return out
 
 
-def delete_of_shards(s: Session, shard_ids: list[int]) -> None:
-    """The copy rows of shards whose rows go (retention deletes a step's rows, its copies' first)."""
-    if shard_ids:
-        s.execute(delete(ShardCopy).where(ShardCopy.shard_id.in_(shard_ids)))
+def delete_of_step(s: Session, ckpt_id: int) -> None:
+    """The copy rows of a step whose rows go (retention deletes them before the step's row)."""
+    s.execute(delete(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id))

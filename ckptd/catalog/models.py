@@ -168,17 +168,20 @@ class Shard(Base):
 
 
 class ShardCopy(Base):
-    """A copy of a shard on a tier other than the file tier (``ckptd.states.Tier``; the file tier's
-    copy is the shard row itself). ``location`` is a URI the tier's backend understands
-    (``memory://<node>/<run>/rank_<r>/<step>``, ``s3://<bucket>/<key>``)."""
+    """A copy of one rank's shard of a step on a tier other than the file tier
+    (``ckptd.states.Tier``; the file tier's copy is the shard row itself). Keyed by step and rank,
+    not by shard row: a memory-tier snapshot of a step the job never saved to files has no shard
+    row. ``location`` is a URI the tier's backend understands
+    (``memory://<node>/<run>/rank_<r>/slot_<k>``, ``s3://<bucket>/<key>``)."""
 
     __tablename__ = "shard_copies"
     __table_args__ = (
-        UniqueConstraint("shard_id", "tier", "location"),
+        UniqueConstraint("checkpoint_id", "rank", "tier", "location"),
         Index("ix_shard_copies_tier_state", "tier", "state"),  # a tier's scrub and retention
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id"), index=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
     tier: Mapped[str] = mapped_column(String(16))
     location: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))  # a ckptd.states.ShardState value

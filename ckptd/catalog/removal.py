@@ -64,7 +64,7 @@ def delete_checkpoint_rows(s: Session, ckpt_id: int) -> None:
     shard_ids = s.execute(select(Shard.id).where(Shard.checkpoint_id == ckpt_id)).scalars().all()
     s.execute(delete(VerificationEvent).where(
         (VerificationEvent.checkpoint_id == ckpt_id) | VerificationEvent.shard_id.in_(shard_ids)))
-    copies.delete_of_shards(s, list(shard_ids))
+    copies.delete_of_step(s, ckpt_id)
     s.execute(delete(Shard).where(Shard.checkpoint_id == ckpt_id))
     s.execute(delete(Checkpoint).where(Checkpoint.id == ckpt_id))
 

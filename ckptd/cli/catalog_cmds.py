@@ -187,8 +187,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     rows = [(x["rank"], x["state"], x["crc"], x["encryption"] or "-", x["size"], _node_cell(x), x["error"] or "",
              x["path"]) for x in doc["shards"]]
     text = head + "\n" + _table(rows, ("RANK", "STATE", "CRC", "ENC", "BYTES", "NODE", "ERROR", "PATH"))
-    others = [(x["rank"], cp["tier"], cp["state"], cp["size"], cp["node"] or "-", cp["error"] or "", cp["location"])
-              for x in doc["shards"] for cp in x["copies"][1:]]  # [0] is the file tier's, the row above
+    held = [cp for x in doc["shards"] for cp in x.get("copies") or []] + doc["copies_without_file"]
+    others = [(cp["rank"], cp["tier"], cp["state"], cp["size"], cp["node"] or "-", cp["error"] or "", cp["location"])
+              for cp in held if cp["tier"] != "file"]  # the file tier's copies are the rows above
     if others:
         text += "\n\ncopies on other tiers:\n" + _table(others, ("RANK", "TIER", "STATE", "BYTES", "NODE", "ERROR",
                                                                     "LOCATION"))

@@ -92,7 +92,8 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
               shards_step: int | None = None, tiers: list[Tier] | None = None,
               held: dict[int, list[copies.Copy]] | None = None) -> dict[str, Any]:
     """A step as the API and the CLI show it. ``tiers``: the tiers it is whole on
-    (``copies.whole_tiers``; omitted from the dict when not asked); ``held``: each shard's copies."""
+    (``copies.whole_tiers``; omitted from the dict when not asked); ``held``: each rank's copies
+    (``copies.of_step``), listed under its live shard; a rank with copies but no file is listed too."""
     users = stepname.users_step(c.global_step, shards_step, c.epoch, c.step)
     out: dict[str, Any] = {
         "step": c.step,
@@ -118,12 +119,16 @@ def step_dict(c: Checkpoint, *, strategy_path: str | None = None, shards: list[S
     if tiers is not None:
         out["tiers"] = [t.value for t in tiers]
     if shards is not None:
-        out["shards"] = [shard_dict(sh, (held or {}).get(sh.id)) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
+        out["shards"] = [shard_dict(sh, None if held is None or sh.state == ShardState.SUPERSEDED.value
+                                    else held.get(sh.rank)) for sh in sorted(shards, key=lambda x: (x.rank, x.path))]
+        if held is not None:
+            out["copies_without_file"] = [copy_dict(cp) for rank, cps in sorted(held.items())
+                                      if rank not in {sh.rank for sh in shards} for cp in cps]
     return out
 
 
 def copy_dict(cp: copies.Copy) -> dict[str, Any]:
-    return {"tier": cp.tier.value, "location": cp.location, "state": cp.state, "size": cp.size, "digest": cp.digest,
+    return {"rank": cp.rank, "tier": cp.tier.value, "location": cp.location, "state": cp.state, "size": cp.size, "digest": cp.digest,
             "node": cp.node, "error": cp.error, "verified_at": iso_time(cp.verified_at)}
 
 
@@ -172,7 +177,7 @@ def show_step(s: Session, run_name: str, step: int, node_timeout: float) -> dict
     seen = max((sh.global_step for sh in shards if sh.global_step is not None and sh.state == ShardState.VERIFIED.value),
                default=None)
     doc = step_dict(c, strategy_path=reads.strategy_paths(s, {c.strategy_id}).get(c.strategy_id), shards=list(shards),
-                    shards_step=seen, tiers=copies.whole_tiers(s, [c])[c.id], held=copies.of_shards(s, list(shards)))
+                    shards_step=seen, tiers=copies.whole_tiers(s, [c])[c.id], held=copies.of_step(s, c.id, list(shards)))
     known = nodes.statuses(s, node_timeout)
     for sh in doc["shards"]:
         sh["reachable"] = known[sh["node"]].reachable if sh["node"] in known else None

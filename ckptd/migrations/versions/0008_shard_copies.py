@@ -5,10 +5,11 @@ Revises: 0007
 Create Date: 2026-12-05 08:00:00
 
 Issue 21 (item 1): the memory tier (flash checkpoints) and the object tier are new backends and
-new rows, not new code paths. ``shard_copies`` holds one row per copy of a shard on a tier
-(``tier`` = memory | object, ``location`` = the backend's URI, ``state`` = a shard state with the
-same promises, the copy's size and xxh3-128 digest, the node holding or writing it). The file
-tier's copy of a shard is the shard row itself (``ckptd.states.Tier``): nothing is back-filled.
+new rows, not new code paths. ``shard_copies`` holds one row per copy of a rank's shard of a step
+on a tier (``tier`` = memory | object, ``location`` = the backend's URI, ``state`` = a shard state
+with the same promises, the copy's size and xxh3-128 digest, the node holding or writing it),
+keyed by step and rank: a memory snapshot of a step never saved to files has no shard row. The
+file tier's copy of a shard is the shard row itself (``ckptd.states.Tier``): nothing is back-filled.
 
 A copy appearing, disappearing or moving into or out of ``verified`` can change where a step may
 be restored from, so it bumps the run's resume generation (0002) like a shard does.
@@ -27,10 +28,10 @@ TABLE = "shard_copies"
 EVENTS = {
     "INSERT": None,
     "DELETE": None,
-    "UPDATE": "OLD.shard_id {d} NEW.shard_id OR OLD.location {d} NEW.location OR "
+    "UPDATE": "OLD.checkpoint_id {d} NEW.checkpoint_id OR OLD.rank {d} NEW.rank OR OLD.location {d} NEW.location OR "
               "((OLD.state = 'verified' OR NEW.state = 'verified') AND OLD.state {d} NEW.state)",
 }
-_RUN_OF = "(SELECT c.run_id FROM shards s JOIN checkpoints c ON c.id = s.checkpoint_id WHERE s.id = {row}.shard_id)"
+_RUN_OF = "(SELECT run_id FROM checkpoints WHERE id = {row}.checkpoint_id)"
 
 
 def _trigger(event: str) -> str:
@@ -78,7 +79,8 @@ def upgrade() -> None:
     op.create_table(
         TABLE,
         sa.Column('id', sa.Integer(), nullable=False),
-        sa.Column('shard_id', sa.Integer(), nullable=False),
+        sa.Column('checkpoint_id', sa.Integer(), nullable=False),
+        sa.Column('rank', sa.Integer(), nullable=False),
         sa.Column('tier', sa.String(length=16), nullable=False),
         sa.Column('location', sa.Text(), nullable=False),
         sa.Column('state', sa.String(length=16), nullable=False),
@@ -88,11 +90,11 @@ def upgrade() -> None:
         sa.Column('error', sa.Text(), nullable=True),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
         sa.Column('verified_at', sa.DateTime(timezone=True), nullable=True),
-        sa.ForeignKeyConstraint(['shard_id'], ['shards.id']),
+        sa.ForeignKeyConstraint(['checkpoint_id'], ['checkpoints.id']),
         sa.PrimaryKeyConstraint('id'),
-        sa.UniqueConstraint('shard_id', 'tier', 'location'),
+        sa.UniqueConstraint('checkpoint_id', 'rank', 'tier', 'location'),
     )
-    op.create_index('ix_shard_copies_shard_id', TABLE, ['shard_id'])
+    op.create_index('ix_shard_copies_checkpoint_id', TABLE, ['checkpoint_id'])
     op.create_index('ix_shard_copies_tier_state', TABLE, ['tier', 'state'])
     if op.get_bind().dialect.name == "postgresql":
         _pg_triggers()
@@ -107,5 +109,5 @@ def downgrade() -> None:
     if pg:
         op.execute(f"DROP FUNCTION IF EXISTS ckptd_resume_gen_{TABLE}()")
     op.drop_index('ix_shard_copies_tier_state', table_name=TABLE)
-    op.drop_index('ix_shard_copies_shard_id', table_name=TABLE)
+    op.drop_index('ix_shard_copies_checkpoint_id', table_name=TABLE)
     op.drop_table(TABLE)
