@@ -1,0 +1,244 @@
+"""Flash checkpoints, the job's side: each rank copies its training state into its node's shared
+memory at a step end (the memory tier; the slot format is :mod:`ckptd.storage.memslot`).
+
+The training thread does only the copy: one ``numpy.copyto`` per tensor from the tensor's own
+memory (MindSpore's ``asnumpy()`` on the CPU is a view, no copy) into the slot's mapping. A
+background thread then hashes what was copied and writes the digest and, last, the commit word;
+the next snapshot waits for it only if it comes before that thread is done (it then writes the
+other slot). The node's ``ckptd serve`` reads committed slots, catalogues them as the step's
+``memory`` copies and persists every ``persist_every``-th as a real checkpoint file.
+
+Space is reserved up front (``posix_fallocate`` on tmpfs: a later copy cannot die of SIGBUS on a
+full ``/dev/shm``). When two slots do not fit, :class:`MemoryTierUnavailable` says how many bytes
+were needed and how many are free; the job trains on with file saves only.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ckptd.storage import memslot
+
+#: where slots live unless ``$CKPTD_MEMORY_ROOT`` says otherwise (tmpfs: RAM, gone at reboot)
+DEFAULT_ROOT = "/dev/shm/ckptd"
+#: bytes hashed per call: xxhash holds the GIL while it hashes, so the training thread gets it back
+#: between chunks (a 4 MiB chunk is about a millisecond)
+HASH_CHUNK = 4 << 20
+
+log = logging.getLogger(__name__)
+
+
+class MemoryTierUnavailable(RuntimeError):
+    """The memory tier cannot run for this rank (space, permissions); the job goes on with files."""
+
+
+def memory_root() -> str:
+    return os.environ.get("CKPTD_MEMORY_ROOT") or DEFAULT_ROOT
+
+
+def rank_dir(root: str, run_dir: str, rank: int) -> str:
+    return os.path.join(root, memslot.run_key(run_dir), f"rank_{rank}")
+
+
+def _make_dirs(root: str, run_dir: str, rank: int) -> str:
+    # the memory root is shared by every user's jobs on the node, like /tmp (sticky); a run's
+    # directories are its user's alone
+    if not os.path.isdir(root):
+        try:
+            os.makedirs(root, exist_ok=True)
+            os.chmod(root, 0o1777)
+        except PermissionError as exc:
+            raise MemoryTierUnavailable(f"cannot create the memory root {root}: {exc.strerror}") from None
+    path = rank_dir(root, run_dir, rank)
+    for d in (os.path.dirname(path), path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid():
+            raise MemoryTierUnavailable(f"{d} is not a directory of this user (uid {os.geteuid()}): refusing to "
+                                        "put this rank's state there")
+        if st.st_mode & 0o077:
+            os.chmod(d, 0o700)
+    return path
+
+
+class FlashWriter:
+    """One rank's two slots. ``snapshot`` copies; a background thread commits. Not thread-safe:
+    the training thread calls it."""
+
+    def __init__(self, run_dir: str, rank: int, world_size: int, *, encrypted: bool = False,
+                 root: str | None = None) -> None:
+        self.run_dir = os.path.abspath(run_dir)
+        self.run, self.rank, self.world_size, self.encrypted = os.path.basename(self.run_dir), rank, world_size, encrypted
+        self.root = root or memory_root()
+        self.dir = _make_dirs(self.root, self.run_dir, rank)
+        self.paths = [os.path.join(self.dir, name) for name in memslot.SLOTS]
+        self.maps: list[Any] = [None, None]
+        self.capacity = 0  # bytes of each slot file
+        self.table_room = 0  # bytes reserved for the table
+        self.committing: threading.Thread | None = None
+        self.error: BaseException | None = None
+        # numbering continues after a restart: a reader must never see an older seq as newer
+        newest = memslot.newest(self.paths, uid=os.geteuid())
+        self.seq, self.newest_slot = (newest.seq, self.paths.index(newest.path)) if newest else (0, 1)
+        if newest is not None:
+            newest.close()
+
+    # --- space ----------------------------------------------------------------------------------
+
+    def _reserve(self, table_len: int, payload_len: int) -> None:
+        import mmap
+
+        room = max(memslot.PAGE, -(-table_len * 2 // memslot.PAGE) * memslot.PAGE)  # step numbers grow
+        size = memslot.slot_size(room, payload_len)
+        have = sum(os.stat(p).st_blocks * 512 if os.path.exists(p) else 0 for p in self.paths)
+        vfs = os.statvfs(self.root)
+        free = vfs.f_bavail * vfs.f_frsize
+        if 2 * size - have > free:
+            raise MemoryTierUnavailable(
+                f"the memory tier needs {2 * size} bytes for rank {self.rank}'s two slots ({size} each) in "
+                f"{self.root}, and {free} bytes are free there (plus {have} this rank already holds): snapshots are "
+                f"off for this rank, file checkpoints go on; give /dev/shm more room (e.g. docker --shm-size) or "
+                f"set CKPTD_MEMORY_ROOT")
+        self.close_maps()
+        for i, path in enumerate(self.paths):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                st = os.fstat(fd)
+                memslot.check_owner(st, path, os.geteuid())
+                if st.st_size != size:
+                    os.ftruncate(fd, 0)  # a slot of another size holds no snapshot this rank could load
+                    os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        raise MemoryTierUnavailable(f"{path}: no room for {size} bytes in {self.root} "
+                                                    f"(fallocate: {exc.strerror})") from None
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                self.maps[i] = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.capacity, self.table_room = size, room
+
+    # --- snapshot -------------------------------------------------------------------------------
+
+    def snapshot(self, global_step: int, epoch: int, file: str, tensors: list[tuple[str, np.ndarray]],
+                 values: list[tuple[str, Any]], order: list[str] | None = None) -> float:
+        """Copy ``tensors`` (C-contiguous arrays) and ``values`` into the free slot; returns the
+        seconds the caller was held. ``order``: entry names in the shard file's order (default:
+        tensors, then values). ``file``: the shard file this step would be, relative to the run."""
+        t0 = time.perf_counter()
+        self.wait()
+        arrays = {name: np.ascontiguousarray(a) for name, a in tensors}
+        specs = [(n, a.dtype.str, tuple(a.shape), a.nbytes) for n, a in arrays.items()]
+        placed = dict(zip(arrays, memslot.layout_of(specs)))
+        by_name: dict[str, memslot.Entry] = {
+            n: memslot.Entry(n, a.dtype.str, tuple(a.shape), *placed[n]) for n, a in arrays.items()}
+        by_name.update({n: memslot.Entry(n, value=v) for n, v in values})
+        names = order if order is not None else [n for n, _ in tensors] + [n for n, _ in values]
+        table = memslot.Table(self.run, self.run_dir, self.rank, self.world_size, int(global_step), int(epoch), file,
+                              tuple(by_name[n] for n in names), self.encrypted)
+        raw = table.encode()
+        payload_len = table.payload_len
+        if len(raw) > self.table_room or memslot.slot_size(self.table_room, payload_len) != self.capacity:
+            self._reserve(len(raw), payload_len)
+        slot = 1 - self.newest_slot
+        m = self.maps[slot]
+        off = memslot.payload_offset(self.table_room)
+        m[memslot.SEQ_OFFSET:memslot.SEQ_OFFSET + 8] = b"\0" * 8  # uncommitted from here on
+        m[:memslot.HEADER.size] = memslot.HEADER.pack(memslot.MAGIC, 0, len(raw), off, payload_len, b"\0" * 16,
+                                                      int(global_step))
+        m[memslot.PAGE:memslot.PAGE + len(raw)] = raw
+        for name, a in arrays.items():
+            e = by_name[name]
+            np.copyto(np.ndarray(a.shape, a.dtype, buffer=m, offset=off + e.offset), a, casting="no")
+        stall = time.perf_counter() - t0
+        self.committing = threading.Thread(target=self._commit, args=(slot, raw, table, off),
+                                           name="ckptd-flash-commit", daemon=True)
+        self.committing.start()
+        return stall
+
+    def _commit(self, slot: int, raw: bytes, table: memslot.Table, off: int) -> None:
+        try:
+            m = self.maps[slot]
+            mv = memoryview(m)
+            hasher = xxhash.xxh3_128(raw)
+            for e in table.entries:
+                if e.is_tensor:
+                    start = off + e.offset
+                    for pos in range(start, start + e.nbytes, HASH_CHUNK):
+                        hasher.update(mv[pos:min(pos + HASH_CHUNK, start + e.nbytes)])
+            mv.release()
+            m[memslot.DIGEST_OFFSET:memslot.DIGEST_OFFSET + 16] = hasher.digest()
+            seq = self.seq + 1
+            m[memslot.SEQ_OFFSET:memslot.SEQ_OFFSET + 8] = seq.to_bytes(8, "little")  # the commit, last
+            self.seq, self.newest_slot = seq, slot
+        except BaseException as exc:  # noqa: BLE001 -- reported by the next wait(), on the training thread
+            self.error = exc
+
+    def wait(self) -> None:
+        """The last snapshot is committed (or its failure raised here)."""
+        if self.committing is not None:
+            self.committing.join()
+            self.committing = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def close_maps(self) -> None:
+        for i, m in enumerate(self.maps):
+            if m is not None:
+                m.close()
+                self.maps[i] = None
+
+    def release(self) -> None:
+        """A clean end: the run's slots are no one's resume point any more (its files are)."""
+        self.wait()
+        self.close_maps()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.dir))  # the run's directory, once its last rank is gone
+        except OSError:
+            pass
+
+
+def load_into(path: str, targets: dict[str, np.ndarray]) -> memslot.Table:
+    """Copy the committed snapshot in slot ``path`` into ``targets`` (name -> writable array, e.g. a
+    MindSpore parameter's ``asnumpy()`` view). Every name and shape, then the digest, are checked
+    before anything is copied (a wrong or damaged snapshot must not leave the model half
+    overwritten); the commit word is checked again after the copy."""
+    snap = memslot.open_snapshot(path, uid=os.geteuid())
+    if snap is None:
+        raise memslot.SlotError(f"{path}: holds no committed snapshot", hint="resume from the files instead")
+    try:
+        entries = {e.name: e for e in snap.table.entries if e.is_tensor}
+        missing = [n for n in targets if n not in entries]
+        wrong = [n for n, a in targets.items() if n in entries and (tuple(a.shape) != entries[n].shape
+                                                                    or a.dtype.str != entries[n].dtype)]
+        if missing or wrong:
+            raise memslot.SlotError(f"{path}: the snapshot does not match this model: missing {missing[:3]}, "
+                                    f"other shape or dtype {wrong[:3]}")
+        if not snap.verify():
+            raise memslot.SlotError(f"{path}: overwritten while it was read", hint="resume from the files instead")
+        for e, v in snap.views():
+            if e.name in targets:
+                np.copyto(targets[e.name], np.frombuffer(v, dtype=e.dtype).reshape(e.shape), casting="no")
+            v.release()
+        if not snap.still_committed():
+            raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
+        return snap.table
+    finally:
+        snap.close()
