@@ -290,8 +290,6 @@ def test_the_page_of_a_live_server_in_chromium(ms, root, tmp_path, sqlite_url):
         assert "corrupt:" in by_step[500][1] and "rank 1" in by_step[500][1], by_step[500]
         assert "incomplete:" in by_step[600][1] or "rank" in by_step[600][1], by_step[600]
         assert parsed.rpo.startswith("Recovery point: step 200, ") and "400 training steps and 4 saves since" in parsed.rpo
-        for state in ("restorable", "corrupt", "incomplete", "marked bad", "unhealthy"):
-            assert f"{state}" in dom.stdout
         assert '<meta http-equiv="refresh" content="10">' in dom.stdout and "<polyline" in dom.stdout
 
         overview = _browser(exe, tmp_path, "--timeout=20000", "--dump-dom", f"{url}/")
