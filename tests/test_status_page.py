@@ -329,3 +329,17 @@ def test_the_page_has_the_read_apis_access_rule(root, catalog_url):
         assert '<meta http-equiv="refresh" content="30">' in srv.client("r-token").get("/", params={"refresh": 30}).text
         paths = srv.client().get("/openapi.json").json()["paths"]
         assert "/" not in paths and "/runs/{run}" not in paths
+
+
+def test_conversions_show_their_jobs_progress_and_the_overview_only_unfinished_jobs():
+    conv = [{"id": 7, "state": "running", "source_step": 200, "target_strategy_hash": "sha256:" + "ab" * 32,
+             "out_dir": "/ckpt/run1/converted/x", "error": None},
+            {"id": 8, "state": "done", "source_step": 100, "target_strategy_hash": None, "out_dir": None, "error": None}]
+    jobs = [{"id": 3, "kind": "convert", "state": "running", "progress": 0.25, "done": 1, "total": 4, "conversion_id": 7},
+            {"id": 2, "kind": "verify", "state": "done", "progress": 1.0, "done": 2, "total": 2}]
+    text = "".join(_Dom(page.conversions_table(conv, jobs)).text)
+    assert "running" in text and "25%" in text and "100%" in text and "sha256:abababababab…" in text
+    overview = page.overview_page([], [{"name": "n2", "reachable": False, "seconds_since_heartbeat": 400.0, "shards": {}}],
+                                  jobs, NOW, 10)
+    rows = "".join(_Dom(overview).text)
+    assert "convert" in rows and "verify" not in rows and "silent" in rows and "6.7 min ago" in rows
