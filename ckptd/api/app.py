@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI
 
 from ckptd import __version__
 from ckptd.api import deps, errors, guard, methods, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
+from ckptd.api import routes_page  # the status page (HTML at / and /runs/{run})
 from ckptd.daemon import Daemon
 from ckptd.service.resume import ResumeCache
 from ckptd.settings import Settings
@@ -64,7 +65,7 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(routes_resume.ResumeFastPath)  # cached resume answers without the FastAPI stack
     routers = (routes_runs.router, routes_resume.router, routes_conversions.router, routes_system.router,
-               routes_nodes.router)
+               routes_nodes.router, routes_page.router)
     # bodies: the token is checked before one is read, and its size capped per route
     declared = [route for router in routers for route in router.routes]
     app.add_middleware(guard.RequestGuard, routes=declared)
