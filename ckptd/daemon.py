@@ -73,6 +73,7 @@ class Daemon:
         self.ingestor = ingestor(settings, self.sessions, self.nodes, self.verifier.submit, self.verifier.submit_step,
                                  index_cache)
         self._stopping = threading.Event()
+        self.memory = None  # the memory tier's owner, once started with memory_root set
         # conversions run as API jobs on worker threads; /metrics reports their throughput
         self._conversion_lock = threading.Lock()
         self.conversion_bytes = 0
@@ -111,6 +112,14 @@ class Daemon:
         self.watcher.start()
         if self.settings.scrub_interval:
             threading.Thread(target=self._scrub_loop, name="ckptd-scrub", daemon=True).start()
+        if self.settings.memory_root is not None:
+            from ckptd.service.memtier import MemoryTier
+
+            self.memory = MemoryTier(self.sessions, self.store, str(self.settings.memory_root), self.settings.node_name,
+                                     persist_every=self.settings.persist_every, key=self.settings.encryption_key(),
+                                     release_after=self.settings.memory_release_after)
+            self.memory.reconcile()
+            threading.Thread(target=self._memory_loop, name="ckptd-memory", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)
             self._gc_thread.start()
@@ -146,6 +155,14 @@ class Daemon:
             except Exception:
                 log.exception("background scrub failed; will retry")
                 period = idle_period
+
+    def _memory_loop(self) -> None:
+        """The memory tier of this node: one thread owns its slots (ckptd.service.memtier)."""
+        while not self._stopping.wait(self.settings.memory_scan_interval):
+            try:
+                self.memory.scan()
+            except Exception:
+                log.exception("memory tier scan failed; will retry")
 
     def _gc_loop(self) -> None:
         policy = RetentionPolicy(keep_last=self.settings.gc_keep_last or None, keep_every=self.settings.gc_keep_every)

@@ -108,6 +108,16 @@ class Settings(BaseSettings):
     allow_hardlinks: bool = Field(
         default=False, description="read files below the root that have more than one hard link (refused by default)",
     )
+    memory_root: Path | None = Field(
+        default=Path("/dev/shm/ckptd"),
+        description="the memory tier (flash checkpoints): jobs' snapshots in this node's shared memory; "
+                    "this daemon catalogues the slots of runs under its root (null: off)",
+    )
+    persist_every: int = Field(default=50, ge=0, description="memory tier: write every N-th global step's snapshot "
+                                                            "as a checkpoint file in the run's layout (0: never)")
+    memory_scan_interval: float = Field(default=0.02, gt=0, description="memory tier: how often commit words are read (s): a slot lives two snapshots")
+    memory_release_after: float = Field(default=3600.0, gt=0, description="memory tier: a run's slots unchanged this "
+                                                                         "long (no live job) are released (s)")
     scrub_interval: float = Field(
         default=0.0, ge=0,
         description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",

@@ -163,17 +163,14 @@ class CheckpointWriter:
                 write_meta(self.run_dir, self.topo.rank, epoch, in_epoch, name)
             self.pending_meta = None
 
-    def save(self, items: list[tuple[str, object]], step: int, data_epoch: int, extra: dict[str, object],
-             async_save: bool = True) -> str:
+    def append_for(self, step: int, data_epoch: int, extra: dict[str, object]) -> tuple[str, int, int, dict[str, object]]:
+        """(shard path, epoch and step in its name, the append entries in file order) of a save at ``step``:
+        what a file save writes after the tensors, and what a memory snapshot records of it."""
         import mindspore as ms
 
-        self.wait()  # MindSpore itself would wait for the previous async write before starting this one
         path, epoch, in_epoch = self.path_for(step, data_epoch)
         append: dict[str, object]
         if self.layout == MINDFORMERS:
-            if not os.path.isdir(self.rank_dir):
-                os.makedirs(self.rank_dir, exist_ok=True)
-                os.chmod(self.rank_dir, 0o750)  # MindFormers' set_safe_mode_for_file_or_dir
             # MindFormers' append_dict, in its order, then this trainer's own entries
             append = {"epoch_num": int(epoch), "step_num": int(step),
                       "global_step": ms.Tensor([int(step)], ms.int32), "loss_scale": 1}
@@ -183,6 +180,17 @@ class CheckpointWriter:
         else:
             append = {"step_num": int(step), "epoch_num": int(data_epoch), "rank_id": int(self.topo.rank),
                       "tp": int(self.topo.tp), "dp": int(self.topo.dp), **extra}
+        return path, epoch, in_epoch, append
+
+    def save(self, items: list[tuple[str, object]], step: int, data_epoch: int, extra: dict[str, object],
+             async_save: bool = True) -> str:
+        import mindspore as ms
+
+        self.wait()  # MindSpore itself would wait for the previous async write before starting this one
+        path, epoch, in_epoch, append = self.append_for(step, data_epoch, extra)
+        if self.layout == MINDFORMERS and not os.path.isdir(self.rank_dir):
+            os.makedirs(self.rank_dir, exist_ok=True)
+            os.chmod(self.rank_dir, 0o750)  # MindFormers' set_safe_mode_for_file_or_dir
         kwargs = {"enc_key": self.enc_key} if self.enc_key else {"crc_check": True}
         ms.save_checkpoint([{"name": n, "data": d} for n, d in items], path, integrated_save=False,
                            async_save=async_save, append_dict=append, **kwargs)

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (and at the last step); 0 = never")
     p.add_argument("--save-initial", action="store_true", help="also checkpoint step 0 (the initial weights)")
     p.add_argument("--sync-save", action="store_true", help="async_save=False (benchmark baseline)")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="memory tier: copy the state into the node's shared memory every N steps (0 = off)")
+    p.add_argument("--memory-root", default=None,
+                   help="memory tier root (default $CKPTD_MEMORY_ROOT, else /dev/shm/ckptd)")
     p.add_argument("--prefix", default="llama", help="checkpoint file prefix (mindformers: {prefix}_rank_<r>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=64)
@@ -159,14 +163,28 @@ def main(argv: list[str] | None = None) -> int:
         if len(mine) != 1:
             raise SystemExit(f"resume answer has {len(mine)} shards for rank {rank}")
         targets = dict(items())
-        restored = load_shard(mine[0], topo, targets, enc_key)
+        if answer.get("tier") == "memory":
+            from trainer.flash import load_snapshot
+
+            restored = load_snapshot(mine[0], topo, targets)
+        else:
+            restored = load_shard(mine[0], topo, targets, enc_key)
         if restored.step != int(answer["step"]):  # the training step ("name_step" is the file name's)
             raise SystemExit(f"{mine[0]} holds step {restored.step}, the answer says {answer['step']}")
         sampler.restore(restored.data_state)
         step = restored.step
-        _log(rank, f"resumed from step {step} ({mine[0]})")
+        _log(rank, f"resumed from step {step} ({answer.get('tier', 'file')}: {mine[0]})")
     elif args.save_initial and args.save_every:
         writer.save(items(), 0, sampler.epoch, sampler.state(), async_save=not args.sync_save)
+
+    flash = None
+    if args.snapshot_every:
+        from ckptd.integrations.flash import FlashWriter, MemoryTierUnavailable
+
+        try:
+            flash = FlashWriter(args.run_dir, rank, world, encrypted=enc_key is not None, root=args.memory_root)
+        except MemoryTierUnavailable as exc:
+            _log(rank, f"memory tier off: {exc}")
 
     params = [model.params[n] for n in opt.names]
     grad_fn = ms.value_and_grad(lambda ids, tg: model.loss(ids, tg), grad_position=None, weights=params)
@@ -203,14 +221,27 @@ def main(argv: list[str] | None = None) -> int:
             path = writer.save(items(), step, sampler.epoch, sampler.state(), async_save=not args.sync_save)
             save_s = time.perf_counter() - t1
             faults.after_save_issued(step, path)
+        snap_s = 0.0
+        if flash is not None and step % args.snapshot_every == 0:
+            from ckptd.integrations.flash import MemoryTierUnavailable
+            from trainer.flash import snapshot
+
+            try:
+                snap_s = snapshot(flash, writer, items(), step, sampler.epoch, sampler.state())
+            except MemoryTierUnavailable as exc:  # e.g. /dev/shm filled up since the start
+                _log(rank, f"memory tier off: {exc}")
+                flash = None
         health.report(step, loss_f, norm, overflow)
         if metrics:
             metrics.write(json.dumps({"step": step, "loss": loss_f, "loss_hex": loss_f.hex(), "grad_norm": norm,
                                       "lr": lr, "overflow": overflow, "attempt": args.attempt,
-                                      "step_s": t1 - t0, "save_s": save_s, "time": time.time()}) + "\n")
+                                      "step_s": t1 - t0, "save_s": save_s, "snap_s": snap_s,
+                                      "time": time.time()}) + "\n")
             metrics.flush()
     hb.beat(step, "finishing")
     writer.wait()
+    if flash is not None:
+        flash.release()  # a clean end: the files are the run's resume point now
     health.flush()
     if metrics:
         metrics.close()

@@ -25,6 +25,7 @@ from ckptd.api.schemas import HealthCleared, HealthReport, ResumeAnswer
 from ckptd.service import health
 from ckptd.service.resume import ResumeCache, ResumeOptions
 from ckptd.split import parse_split
+from ckptd.states import Tier
 
 router = APIRouter(prefix="/v1/runs", tags=["resume"], responses=responses(400, 401, 403, 422))
 
@@ -56,12 +57,19 @@ async def get_resume(
         description="the job's split tp=..,dp=..[,pp=..]: 'conversion' says whether the step must be re-sharded for "
                     "it, to which strategy hash (derived from the strategy the step was saved with), and the ready "
                     "copy of exactly that layout"),
+    tiers: str = Query(
+        default="file,memory", max_length=20, pattern=r"^(file|memory)(,(file|memory))?$",
+        description="the tiers the asker can load from: with memory, a step whole in the nodes' shared memory is "
+                    "answered from there (tier: memory, each rank's slot); file only for a job that loads files "
+                    "(MindFormers' own resume)"),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
+    settings = request.app.state.settings
     opts = ResumeOptions(max_step, world_size, skip_spikes, spike_factor, spike_window, lease, strategy_hash,
-                         exclude_unreachable, request.app.state.settings.node_timeout,
+                         exclude_unreachable, settings.node_timeout,
                          parse_split(split, "split") if split is not None else None,
-                         request.app.state.settings.allow_hardlinks)
+                         settings.allow_hardlinks, tuple(Tier(t) for t in dict.fromkeys(tiers.split(","))),
+                         str(settings.memory_root) if settings.memory_root is not None else None)
     # Cached answers are normally served by ResumeFastPath below before FastAPI sees the request;
     # here: the first request after a change, or unusual query strings. A cache hit costs one
     # indexed lookup of the run's generation (ResumeCache.current, no ORM session); a miss is
@@ -204,7 +212,9 @@ class ResumeFastPath:
         if opts is None:
             return None
         # as the route builds them
-        opts = replace(opts, node_timeout=state.settings.node_timeout, hardlinks=state.settings.allow_hardlinks)
+        root = state.settings.memory_root
+        opts = replace(opts, node_timeout=state.settings.node_timeout, hardlinks=state.settings.allow_hardlinks,
+                       memory_root=str(root) if root is not None else None)
         body = await state.resume_cache.current(run, opts)
         if body is None and (run, opts) in state.resume_locks:
             # the same answer is being computed (the storm after a change): wait for it here rather

@@ -47,6 +47,13 @@ class IterationFileRef(ShardRef):
     role: str = Field(description="model | opt | common | metadata")
 
 
+class MemorySlotRef(ShardRef):
+    """A rank's snapshot in its node's shared memory (the memory tier): ``path`` is the slot file."""
+
+    location: str = Field(description="memory://<node>/<run key>/rank_<r>/slot_<k>")
+    tier: str = Field(description="memory")
+
+
 class TrackerInfo(BaseModel):
     path: str
     iteration: int | None = Field(description="what latest_checkpointed_iteration.txt names (null: nothing usable)")
@@ -99,7 +106,12 @@ class ResumeAnswer(BaseModel):
     strategy_hash: str | None
     reason: str | None = Field(default=None, description="what the chosen step's checks could not prove although its "
                                                          "files verified (\"layout unchecked: <why>\"); null normally")
-    shards: list[ShardRef | SubsetShardRef | IterationFileRef] = Field(description="the file each rank loads (one verified shard per rank)")
+    tier: str = Field(default="file", description="where the answer is loaded from: file (the shard files) or memory "
+                                                  "(each rank's slot in its node's shared memory: restore() loads it)")
+    files_whole: bool | None = Field(default=None, description="memory answers: whether the step's files are whole "
+                                                               "too (a fallback if a slot is lost)")
+    shards: list[MemorySlotRef | ShardRef | SubsetShardRef | IterationFileRef] = Field(
+        description="what each rank loads: one verified shard per rank, or its memory slot")
     unreachable_nodes: list[str] = Field(description="nodes holding shards of this step whose daemon is silent: their "
                                                      "files were verified but cannot be seen now (exclude_unreachable=true "
                                                      "answers the newest step without them)")

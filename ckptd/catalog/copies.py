@@ -108,3 +108,72 @@ def whole_tiers(s: Session, steps: list[Checkpoint]) -> dict[int, list[Tier]]:
 def delete_of_step(s: Session, ckpt_id: int) -> None:
     """The copy rows of a step whose rows go (retention deletes them before the step's row)."""
     s.execute(delete(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id))
+
+
+# --- the memory tier's rows (ckptd.service.memtier) ------------------------------------------------
+
+
+def step_for_copy(s: Session, run_name: str, run_path: str, prefix: str, epoch: int, step: int,
+                  incarnation: int | None, world_size: int) -> Checkpoint:
+    """The trained step a copy of another tier belongs to, created as ingest would create it for
+    its first file (a memory snapshot usually comes before any file, and most never get one)."""
+    run = repo.get_or_create_run(s, run_name, run_path)
+    ckpt = repo.get_or_create_checkpoint(s, run, prefix, epoch, step, "trained", world_size)
+    if ckpt.incarnation is None and incarnation is not None:
+        ckpt.incarnation = incarnation
+    if ckpt.expected_ranks is None:
+        ckpt.expected_ranks = world_size
+    return ckpt
+
+
+def live_on_node(s: Session, tier: Tier, node: str) -> list[tuple[int, int, str, str | None]]:
+    """(step id, rank, location, digest) of ``node``'s copies on ``tier`` not known gone."""
+    return [tuple(r) for r in s.execute(select(
+        ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.digest).where(
+        ShardCopy.tier == tier.value, ShardCopy.node == node, ShardCopy.state != ShardState.DELETED.value))]
+
+
+def set_state_at(s: Session, tier: Tier, location: str, state: ShardState, error: str | None = None,
+                 *, except_step: int | None = None) -> list[int]:
+    """Every live copy at ``location`` (a slot holds one snapshot at a time) gets ``state``; the
+    steps they belonged to."""
+    q = select(ShardCopy.id, ShardCopy.checkpoint_id).where(
+        ShardCopy.tier == tier.value, ShardCopy.location == location, ShardCopy.state != state.value)
+    if except_step is not None:
+        q = q.where(ShardCopy.checkpoint_id != except_step)
+    rows = s.execute(q).all()
+    if rows:
+        s.execute(update(ShardCopy).where(ShardCopy.id.in_([r[0] for r in rows])).values(state=state.value, error=error))
+    return sorted({r[1] for r in rows})
+
+
+def orphans(s: Session, ckpt_ids: list[int]) -> list[int]:
+    """Of ``ckpt_ids``, the steps nothing holds any more: no shard row, no copy that is not gone,
+    not pinned, marked or leased (a memory snapshot's step whose slot was overwritten)."""
+    if not ckpt_ids:
+        return []
+    has_shard = select(Shard.id).where(Shard.checkpoint_id == Checkpoint.id).exists()
+    has_copy = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Checkpoint.id,
+                                          ShardCopy.state != ShardState.DELETED.value).exists()
+    return list(s.execute(select(Checkpoint.id).where(
+        Checkpoint.id.in_(ckpt_ids), ~has_shard, ~has_copy, Checkpoint.pinned.is_(False),
+        Checkpoint.marked_bad.is_(False), Checkpoint.lease_until.is_(None))).scalars())
+
+
+def whole_steps(s: Session, run_id: int, tier: Tier, unreachable: set[str]) -> dict[int, list[tuple[int, str, str]]]:
+    """The run's steps whole on ``tier`` from reachable nodes: step id -> [(rank, location, node)],
+    one verified copy per expected rank (the newest row where a rank has several)."""
+    rows = s.execute(
+        select(ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.node, Checkpoint.expected_ranks)
+        .join(Checkpoint, Checkpoint.id == ShardCopy.checkpoint_id)
+        .where(Checkpoint.run_id == run_id, ShardCopy.tier == tier.value, ShardCopy.state == ShardState.VERIFIED.value)
+        .order_by(ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.id.desc())).all()
+    held: dict[int, dict[int, tuple[int, str, str]]] = defaultdict(dict)
+    expected: dict[int, int | None] = {}
+    for ckpt, rank, loc, node, world in rows:
+        if node in unreachable:
+            continue
+        held[ckpt].setdefault(rank, (rank, loc, node))
+        expected[ckpt] = world
+    return {ckpt: [by_rank[r] for r in sorted(by_rank)] for ckpt, by_rank in held.items()
+            if expected[ckpt] is not None and sorted(by_rank) == list(range(expected[ckpt]))}

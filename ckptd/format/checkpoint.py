@@ -259,11 +259,24 @@ def write_checkpoint(
     from ckptd.atomic import atomic_write
 
     with atomic_write(path, overwrite=overwrite) as fh:
-        if enc_key is None:
-            ckpt_write.write_ckpt_stream(fh, items, crc=crc)
-            return
-        mode = crypto.EncMode(enc_mode)
-        crypto.validate_key(enc_key, mode)
-        writer = crypto.EncryptingWriter(fh, enc_key, mode, block_size=block_size)
-        ckpt_write.write_ckpt_stream(writer, items, crc=crc)  # type: ignore[arg-type]
-        writer.close()
+        write_checkpoint_to(fh, items, crc=crc, enc_key=enc_key, enc_mode=enc_mode, block_size=block_size)
+
+
+def write_checkpoint_to(
+    fh: Any,
+    items: Iterable[tuple[str, Any]],
+    *,
+    crc: bool = False,
+    enc_key: bytes | None = None,
+    enc_mode: crypto.EncMode | str = crypto.EncMode.AES_GCM,
+    block_size: int = crypto.ENCRYPT_BLOCK_SIZE,
+) -> None:
+    """:func:`write_checkpoint`'s bytes into an open file (the caller makes it atomic)."""
+    if enc_key is None:
+        ckpt_write.write_ckpt_stream(fh, items, crc=crc)
+        return
+    mode = crypto.EncMode(enc_mode)
+    crypto.validate_key(enc_key, mode)
+    writer = crypto.EncryptingWriter(fh, enc_key, mode, block_size=block_size)
+    ckpt_write.write_ckpt_stream(writer, items, crc=crc)  # type: ignore[arg-type]
+    writer.close()

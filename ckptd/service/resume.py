@@ -32,7 +32,8 @@ from ckptd.catalog import reads
 from ckptd.catalog.reads import shards_step_column
 from ckptd.service.catalog import get_run
 from ckptd.split import ParallelSplit
-from ckptd.states import ShardState
+from ckptd.service import resume_tiers
+from ckptd.states import ShardState, StepState, Tier
 from ckptd.storage import ConfinementError, PosixStorage
 
 RESUME_LEASE = timedelta(minutes=30)
@@ -61,6 +62,9 @@ class ResumeOptions:
     split: ParallelSplit | None = None
     #: the ``allow_hardlinks`` setting: a strategy file with more than one name is served only with it
     hardlinks: bool = False
+    #: the tiers the asker can load from (``resume_tiers``); ``memory_root``: where this daemon's slots are
+    tiers: tuple[Tier, ...] = resume_tiers.DEFAULT_TIERS
+    memory_root: str | None = None
 
 
 def step_infos(s: Session, run_id: int, now: datetime, limit: int | None = None) -> list[StepInfo]:
@@ -115,10 +119,17 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     policy = ResumePolicy(max_step=opts.max_step, spike=spike)
     health = _health(s, run.id, opts.skip_spikes)
     dead = node_registry.unreachable(s, opts.node_timeout)
-    steps = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
+    tiers = opts.tiers if opts.memory_root is not None else tuple(t for t in opts.tiers if t is not Tier.MEMORY)
+    wanted_world = opts.split.world if opts.split is not None else opts.world_size
+    mem = resume_tiers.memory_steps(s, run.id, dead, tiers, wanted_world)
+    if mem and runlayout.by_name(run.layout).iterations:
+        mem = {}  # Checkpoint 2.0 runs resume through MindFormers' own loader: files only
+    if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
+        mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
+    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), mem)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        steps = _mark_unreachable(s, step_infos(s, run.id, now), dead, opts)
+        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), mem)
         decision = policy.decide(steps, health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
@@ -155,6 +166,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "strategy_file": strategy_path,
         "strategy_hash": strategy.content_hash if strategy else None,
         "reason": ckpt.reason,  # what the step's checks could not prove ("layout unchecked: …"), else null
+        "tier": Tier.FILE.value,
+        "files_whole": None,  # memory answers say whether the files are whole too
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
@@ -162,6 +175,11 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
+    if ckpt.id in mem:
+        # the restart loads from RAM; a step whose files are whole too keeps them as the fallback
+        answer.update(tier=Tier.MEMORY.value, shards=resume_tiers.memory_shards(mem[ckpt.id], opts.memory_root or ""),
+                      unreachable_nodes=[], mindformers=None, files_whole=ckpt.state == StepState.VERIFIED.value)
+        return answer
     if layout.iterations:
         return _iteration_answer(answer, store, run.path, ckpt, rows, steps, s)
     if opts.split is not None:
@@ -272,6 +290,13 @@ def _iteration_answer(answer: dict[str, Any], store: PosixStorage, run_path: str
         "tracker": tracker.judge(store, tracker.read(store, run_path), ckpt.step, states, run_path),
     }
     return answer
+
+
+def _needs_conversion(s: Session, ckpt_id: int, split: ParallelSplit, hardlinks: bool, run_path: str) -> bool:
+    ckpt = s.get(Checkpoint, ckpt_id)
+    assert ckpt is not None
+    strategy = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
+    return _split_conversion(s, ckpt, strategy, split, PosixStorage(os.path.dirname(run_path), hardlinks)) is not None
 
 
 def _split_conversion(s: Session, ckpt: Checkpoint, strategy: StrategyFile | None, split: ParallelSplit,

@@ -241,6 +241,15 @@ def _rank_shapes(rank: int, ck: CheckpointFile, strategy: Strategy, partial: boo
     return problems
 
 
+def slice_problems(rank: int, shapes: Mapping[str, tuple[int, ...]], strategy: Strategy) -> list[str]:
+    """Does a rank's state (name -> shape: a memory snapshot's table) hold exactly the slices the
+    strategy gives ``rank``? The same rule as for a file (:func:`_rank_shapes`)."""
+    from types import SimpleNamespace
+
+    held = SimpleNamespace(entries={name: SimpleNamespace(shape=tuple(shape)) for name, shape in shapes.items()})
+    return _rank_shapes(rank, held, strategy, False, {}, [])  # type: ignore[arg-type]
+
+
 # --- the step from its shards' facts --------------------------------------------------------------
 
 

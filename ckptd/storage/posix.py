@@ -16,6 +16,7 @@ import contextlib
 import os
 import stat
 from collections.abc import Iterator
+from typing import BinaryIO
 from dataclasses import dataclass
 
 from ckptd.atomic import atomic_write
@@ -143,11 +144,17 @@ class PosixStorage:
         finally:
             os.close(other)
 
-    def write(self, path: str, data: bytes, *, overwrite: bool = False, mode: int = 0o644) -> None:
+    @contextlib.contextmanager
+    def create(self, path: str, *, overwrite: bool = False, mode: int = 0o644) -> Iterator[BinaryIO]:
         """Create (``overwrite``: or replace) the file atomically: temp, fsync, rename, fsync the
-        directory, all relative to its directory's confined descriptor."""
+        directory, all relative to its directory's confined descriptor. An exception inside the
+        block leaves nothing behind."""
         with self.dir(os.path.dirname(path), create=True) as fd, \
                 atomic_write(os.path.basename(path), overwrite=overwrite, mode=mode, dir_fd=fd) as fh:
+            yield fh
+
+    def write(self, path: str, data: bytes, *, overwrite: bool = False, mode: int = 0o644) -> None:
+        with self.create(path, overwrite=overwrite, mode=mode) as fh:
             fh.write(data)
 
     # --- deleting ----------------------------------------------------------------------------

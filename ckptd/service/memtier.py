@@ -1,0 +1,329 @@
+"""The memory tier, the daemon's side: a node's daemon owns the slots in its node's shared memory.
+
+One thread (the daemon's ``ckptd-memory``) scans the memory root. Per slot it reads the commit
+word only (16 bytes); a slot whose word changed is mapped, its table parsed, its identity checked
+and its digest computed over the mapping (tmpfs: no copy). A committed, whole snapshot becomes a
+verified ``memory`` copy of its rank of its step (``catalog.copies``; the step row is the one its
+file would have, created as ingest would). The copy that slot held before goes ``deleted`` (the
+slot holds one snapshot at a time), and a step left with nothing anywhere loses its rows. Every
+``persist_every``-th global step is written as a real checkpoint file at the path the table names,
+in the run's layout, byte for byte what ``mindspore.save_checkpoint`` writes (CRC; encrypted with
+the daemon's key when the run is), through the confined store with an atomic write: the watcher
+then ingests and verifies it like any file. Training never waits for any of it.
+
+Refused (logged once per slot and snapshot, and recorded as a ``corrupt`` copy when its identity
+is known): a slot of another user than its run directory's, or readable by others; a table naming
+a run directory outside this daemon's root, another rank, or a file outside the run; a global step
+that disagrees with the step's; shapes that are not the strategy's slice for the rank; a digest
+mismatch. A torn read (the job began overwriting the slot while it was read) is retried at the
+next scan, never answered. Regions whose slots have not changed for ``release_after`` seconds
+(no live job) are removed, their copies marked deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd import runlayout
+from ckptd.runnames import parse_rank_dir
+from ckptd.catalog import copies, removal
+from ckptd.errors import CkptdError
+from ckptd.states import ShardState, Tier
+from ckptd.storage import PosixStorage, memslot
+
+log = logging.getLogger("ckptd.memory")
+
+
+@dataclass
+class Seen:
+    """What this daemon last made of a slot: its commit word and the copy it recorded."""
+
+    seq: int
+    ckpt_id: int | None = None
+    digest: str | None = None
+
+
+class MemoryTier:
+    def __init__(self, sessions: sessionmaker[Session], store: PosixStorage, memory_root: str, node: str, *,
+                 persist_every: int = 0, key: bytes | None = None, release_after: float = 3600.0) -> None:
+        self.sessions, self.store, self.root, self.node = sessions, store, memory_root, node
+        self.persist_every, self.key, self.release_after = persist_every, key, release_after
+        self._strategies: dict[tuple[str, str], object] = {}
+        self.seen: dict[str, Seen] = {}
+        self._refused: set[tuple[str, int]] = set()
+        self.active: dict[str, float] = {}  # run key -> when a commit word there last moved (monotonic)
+        self.persisted = 0
+        self.bytes_hashed = 0
+
+    # --- start: what the catalog says this node holds ---------------------------------------------
+
+    def reconcile(self) -> None:
+        """At start: a copy the catalog says this node holds is kept only if its slot still holds
+        that snapshot (same digest); a reboot or a cleared /dev/shm leaves none."""
+        with self.sessions.begin() as s:
+            gone: list[int] = []
+            for ckpt_id, _, loc, digest in copies.live_on_node(s, Tier.MEMORY, self.node):
+                path = memslot.path_of(self.root, loc)
+                header = self._header(path)
+                if header is not None and header.seq and header.digest.hex() == digest:
+                    self.seen[path] = Seen(header.seq, ckpt_id, digest)
+                else:
+                    gone += copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, "the slot no longer holds it")
+            self._prune(s, gone)
+
+    # --- one pass ------------------------------------------------------------------------------------
+
+    def scan(self) -> int:
+        """One pass over the memory root; returns the number of snapshots catalogued."""
+        done = 0
+        now = time.monotonic()
+        for key, ranks in self._regions():
+            for rank, path in ranks:
+                if not os.path.lexists(path):
+                    self._gone(path, "the slot was removed")
+                    continue
+                before = self.seen.get(path)
+                done += self._examine(key, rank, path)
+                if before is None or self.seen.get(path) is None or self.seen[path].seq != before.seq:
+                    self.active[key] = now  # a commit word moved: a job is writing here
+            # a slot's mtime says nothing here (stores through a shared mapping of tmpfs do not
+            # update it): a region is live while its commit words move
+            if now - self.active.setdefault(key, now) > self.release_after:
+                self._release(key, [p for _, p in ranks])
+                del self.active[key]
+        for path in [p for p in self.seen if not os.path.lexists(p)]:
+            self._gone(path, "the slot was removed")
+        return done
+
+    def _regions(self) -> list[tuple[str, list[tuple[int, str]]]]:
+        """(run key, [(rank, slot path)]) under the memory root, owner-checked on the way."""
+        out = []
+        try:
+            keys = sorted(os.listdir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for key in keys:
+            region = os.path.join(self.root, key)
+            try:
+                st = os.lstat(region)
+            except FileNotFoundError:
+                continue
+            if not os.path.isdir(region) or os.path.islink(region) or st.st_mode & 0o077:
+                self._refuse_once(region, 0, f"{region}: not a private directory (mode "
+                                             f"{st.st_mode & 0o7777:04o}): its slots are not read")
+                continue
+            ranks = []
+            for name in sorted(os.listdir(region)):
+                rank = parse_rank_dir(name)
+                if rank is None:
+                    continue
+                for slot in memslot.SLOTS:
+                    ranks.append((rank, os.path.join(region, name, slot)))
+            out.append((key, ranks))
+        return out
+
+    @staticmethod
+    def _header(path: str) -> memslot.Header | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            head = os.pread(fd, memslot.HEADER.size, 0)
+        finally:
+            os.close(fd)
+        try:
+            return memslot.read_header(head + b"\0" * (memslot.PAGE - len(head)), path)
+        except memslot.SlotError:
+            return None
+
+    def _examine(self, key: str, rank: int, path: str) -> int:
+        header = self._header(path)
+        seq = header.seq if header is not None else 0
+        known = self.seen.get(path)
+        if known is not None and known.seq == seq:
+            return 0
+        if seq == 0:  # being written: what it held is gone
+            if known is not None and known.ckpt_id is not None:
+                self._gone(path, "the slot is being overwritten")
+            return 0
+        uid = os.lstat(os.path.dirname(os.path.dirname(path))).st_uid
+        try:
+            snap = memslot.open_snapshot(path, uid=uid)
+        except FileNotFoundError:
+            return 0
+        except memslot.SlotError as err:
+            self._refuse_once(path, seq, str(err))
+            self._gone(path, "the slot was overwritten")
+            self.seen[path] = Seen(seq)
+            return 0
+        if snap is None:
+            return 0  # torn: the next scan sees it committed or not
+        try:
+            return self._catalogue(key, rank, path, snap)
+        finally:
+            snap.close()
+
+    def _catalogue(self, key: str, rank: int, path: str, snap: memslot.Snapshot) -> int:
+        t = snap.table
+        loc = memslot.location(self.node, key, rank, os.path.basename(path))
+        run_dir = os.path.join(str(self.store.root), t.run)
+        if os.path.abspath(t.run_dir) != run_dir or memslot.run_key(run_dir) != key:
+            # another daemon's root (or a region renamed by hand): not this daemon's to judge
+            self._gone(path, "the slot was overwritten")
+            self.seen[path] = Seen(snap.seq)
+            return 0
+        name = runlayout.classify(str(self.store.root), os.path.normpath(os.path.join(run_dir, t.file)))
+        problem = None
+        if not isinstance(name, runlayout.ShardName) or name.run != t.run or name.kind != "trained":
+            self._refuse_once(path, snap.seq, f"{path}: names the file {t.file!r}, not a trained step's shard of "
+                                              f"run {t.run!r}: not catalogued")
+            self._gone(path, "the slot was overwritten")
+            self.seen[path] = Seen(snap.seq)
+            return 0
+        if name.rank != rank or t.rank != rank:
+            problem = f"the slot of rank {rank} holds rank {t.rank}'s snapshot named {t.file}"
+        target = os.path.normpath(os.path.join(run_dir, t.file))
+        persist = bool(self.persist_every) and t.global_step % self.persist_every == 0 and \
+            self.store.stat(target) is None
+        held: dict[str, memoryview] | None = None
+        try:
+            if problem is None and persist:
+                # the job reuses this slot two snapshots later, sooner than a file is written:
+                # copy it out once (that copy is the one read of the slot), hash and write the copy
+                held = self._copy_out(snap)
+                if held is None:
+                    return 0
+            elif problem is None:
+                problem = self._digest_problem(snap)
+        except memslot.SlotError as err:
+            problem = err.message
+        if problem == "torn":
+            return 0
+        with self.sessions.begin() as s:
+            ckpt = copies.step_for_copy(s, t.run, run_dir, name.prefix, name.epoch, name.step, name.incarnation,
+                                        t.world_size)
+            if problem is None and ckpt.global_step is not None and ckpt.global_step != t.global_step:
+                problem = f"holds global step {t.global_step}, the step's files say {ckpt.global_step}"
+            if problem is None:
+                problem = self._slice_problem(s, ckpt, rank, {e.name: e.shape for e in t.entries if e.is_tensor})
+            if problem is None and ckpt.global_step is None:
+                ckpt.global_step = t.global_step
+            state = ShardState.CORRUPT if problem else ShardState.VERIFIED
+            copies.record(s, ckpt.id, rank, Tier.MEMORY, loc, state=state, size=snap.nbytes, digest=snap.digest,
+                          node=self.node, error=problem)
+            old = copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, "the slot was overwritten",
+                                      except_step=ckpt.id)
+            self._prune(s, old)
+            ckpt_id = ckpt.id
+        if problem:
+            log.warning("memory tier: %s: step %s rank %d: %s", path, t.global_step, rank, problem)
+        self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest)
+        if not problem and held is not None:
+            self._persist(t, held, target, snap.seq)
+        return 1
+
+    def _copy_out(self, snap: memslot.Snapshot) -> dict[str, memoryview] | None:
+        """Every tensor of the snapshot copied into this daemon's memory and checked against the
+        digest (None: the job began overwriting the slot meanwhile)."""
+        buf = memoryview(bytearray(snap.nbytes))
+        out: dict[str, memoryview] = {}
+        for e, view in snap.views():
+            buf[e.offset:e.offset + e.nbytes] = view
+            view.release()
+            out[e.name] = buf[e.offset:e.offset + e.nbytes]
+        hasher = snap.hasher()
+        for e in snap.table.entries:
+            if e.is_tensor:
+                hasher.update(out[e.name])
+        self.bytes_hashed += snap.nbytes
+        return out if snap.check(hasher.digest()) else None
+
+    def _slice_problem(self, s: Session, ckpt, rank: int, shapes: dict[str, tuple[int, ...]]) -> str | None:  # noqa: ANN001
+        """Shapes against the strategy the step is (or would be) bound to; None when none is catalogued
+        (as for files: the step is then "layout unchecked")."""
+        from ckptd.catalog.models import Run, StrategyFile
+        from ckptd.format.strategy import parse_strategy_bytes
+        from ckptd.service import rank_strategies, stepcheck
+
+        row = s.get(StrategyFile, ckpt.strategy_id) if ckpt.strategy_id else None
+        if row is None:
+            run = s.get(Run, ckpt.run_id)
+            row = rank_strategies.current(s, self.store, run) if run is not None else None
+        if row is None or row.error or row.content is None:
+            return None
+        key = (row.path, row.content_hash)
+        if key not in self._strategies:
+            try:
+                self._strategies[key] = parse_strategy_bytes(row.content, row.path)
+            except CkptdError:
+                return None
+        found = stepcheck.slice_problems(rank, shapes, self._strategies[key])
+        return "; ".join(found[:3]) if found else None
+
+    def _digest_problem(self, snap: memslot.Snapshot) -> str | None:
+        self.bytes_hashed += snap.nbytes
+        return None if snap.verify() else "torn"
+
+    # --- persisting --------------------------------------------------------------------------------
+
+    def _persist(self, t: memslot.Table, held: dict[str, memoryview], path: str, seq: int) -> None:
+        """The snapshot (its checked copy) as the shard file the job would have written, atomically
+        and never over an existing file."""
+        if t.encrypted and self.key is None:
+            self._refuse_once(path, seq, f"{path}: the run is encrypted and this daemon has no key: step "
+                                         f"{t.global_step} stays in memory only (configure key_file)")
+            return
+        from ckptd.format.checkpoint import write_checkpoint_to
+
+        items = [(e.name, np.frombuffer(held[e.name], dtype=e.dtype).reshape(e.shape) if e.is_tensor else e.value)
+                 for e in t.entries]
+        try:
+            with self.store.create(path, mode=0o400) as fh:
+                write_checkpoint_to(fh, items, crc=not t.encrypted, enc_key=self.key if t.encrypted else None)
+        except FileExistsError:
+            return  # the job's own save of this step landed first: the same bytes
+        except (CkptdError, OSError) as err:
+            self._refuse_once(path, seq, f"{path}: persisting step {t.global_step} failed: {err}")
+            return
+        self.persisted += 1
+        log.info("memory tier: persisted step %d of %s rank %d to %s", t.global_step, t.run, t.rank, path)
+
+    # --- slots that go ----------------------------------------------------------------------------
+
+    def _gone(self, path: str, why: str) -> None:
+        known = self.seen.pop(path, None)
+        if known is None or known.ckpt_id is None:
+            return
+        key = os.path.basename(os.path.dirname(os.path.dirname(path)))
+        rank = parse_rank_dir(os.path.basename(os.path.dirname(path)))
+        loc = memslot.location(self.node, key, rank if rank is not None else -1, os.path.basename(path))
+        with self.sessions.begin() as s:
+            self._prune(s, copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, why))
+
+    def _release(self, key: str, paths: list[str]) -> None:
+        """A region no job has written for ``release_after``: its memory goes back to the node."""
+        import shutil
+
+        for path in paths:
+            self._gone(path, f"released: no snapshot for {self.release_after:.0f} s")
+        shutil.rmtree(os.path.join(self.root, key), ignore_errors=True)
+        log.info("memory tier: released %s (no snapshot for %.0f s)", key, self.release_after)
+
+    @staticmethod
+    def _prune(s: Session, ckpt_ids: list[int]) -> None:
+        for ckpt_id in copies.orphans(s, ckpt_ids):
+            removal.delete_checkpoint_rows(s, ckpt_id)
+
+    def _refuse_once(self, path: str, seq: int, message: str) -> None:
+        if (path, seq) not in self._refused:
+            self._refused.add((path, seq))
+            log.warning("memory tier: %s", message)
+
+

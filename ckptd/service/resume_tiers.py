@@ -1,0 +1,50 @@
+"""The resume oracle over tiers: a step whole in some node's memory is restorable from there.
+
+A step is restorable from the memory tier when every expected rank has a verified ``memory`` copy
+on a node whose daemon is alive (``catalog.copies.whole_steps``): its files may be torn, missing
+or still being written. The oracle lets the one resume policy choose over both tiers (a memory
+step takes part as ``verified``, so marks, health records, spikes and ``max_step`` apply to it as
+to files) and answers ``tier: memory`` with each rank's slot when the chosen step is whole in
+memory: the restart loads from RAM. Memory answers only a job of the same world size (an elastic
+restart goes through files and conversion) and only when the asker can load a slot
+(``tiers`` on the resume route; MindFormers' own resume reads files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sqlalchemy.orm import Session
+
+from ckptd.catalog import copies
+from ckptd.policy import StepInfo
+from ckptd.states import StepState, Tier
+from ckptd.storage import memslot
+
+#: the tiers an answer may come from unless the asker says otherwise
+DEFAULT_TIERS = (Tier.FILE, Tier.MEMORY)
+
+MemoryCopies = dict[int, list[tuple[int, str, str]]]
+
+
+def memory_steps(s: Session, run_id: int, dead: set[str], tiers: tuple[Tier, ...],
+                 world_size: int | None) -> MemoryCopies:
+    """Steps whole on the memory tier that this asker may be answered from: step id -> copies."""
+    if Tier.MEMORY not in tiers:
+        return {}
+    whole = copies.whole_steps(s, run_id, Tier.MEMORY, dead)
+    return {k: v for k, v in whole.items() if world_size is None or len(v) == world_size}
+
+
+def with_memory(steps: list[StepInfo], mem: MemoryCopies) -> list[StepInfo]:
+    """The steps as the policy sees them: one whole in memory is verified whatever its files say."""
+    if not mem:
+        return steps
+    return [replace(i, state=StepState.VERIFIED.value, reason=None) if i.id in mem and i.state != StepState.VERIFIED.value
+            else i for i in steps]
+
+
+def memory_shards(entries: list[tuple[int, str, str]], memory_root: str) -> list[dict]:
+    """The answer's shards of a memory step: each rank's slot, on its node, at the memory root."""
+    return [{"rank": rank, "path": memslot.path_of(memory_root, loc), "location": loc, "node": node,
+             "tier": Tier.MEMORY.value} for rank, loc, node in entries]
