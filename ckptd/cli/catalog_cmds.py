@@ -265,12 +265,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ckptd.policy import RetentionPolicy
     from ckptd.service.retention import gc
 
+    from ckptd.cli import progress
+
     settings, sessions = catalog_sessions(args)
     from ckptd.catalog.nodes import NodeView
 
     owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
-    report = gc(sessions, settings.storage, RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
-                run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace)
+    with progress.bar(args, "gc: steps deleted", "step") as bar:
+        report = gc(sessions, settings.storage, RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
+                    run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace, progress=bar)
     doc = report.to_dict()
     lines = []
     for plan in doc["runs"]:
@@ -306,6 +309,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_verify_run(args: argparse.Namespace) -> int:
     """``ckptd verify --run R [--step S]``: re-verify catalogued shards now, with a progress bar."""
+    from ckptd.cli import progress
     from ckptd.cli.files import rate_text
     from ckptd.catalog.nodes import NodeView
     from ckptd import daemon
@@ -319,19 +323,13 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
 
-    def bar(done: int, total: int) -> None:
-        if sys.stderr.isatty() or args.progress:
-            filled = int(30 * done / max(total, 1))
-            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
-
     t0 = time.perf_counter()
-    result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
-                      owner=verifier.nodes.owner)
+    with progress.bar(args, f"verify {args.run}", "shard", len(shards)) as bar:
+        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
+                          owner=verifier.nodes.owner)
     seconds = time.perf_counter() - t0
     result = {**result, "bytes_verified": verifier.verified_bytes, "seconds": round(seconds, 6),
               "bytes_per_second": round(verifier.verified_bytes / seconds) if seconds > 0 else None}
-    if sys.stderr.isatty() or args.progress:
-        print(file=sys.stderr)
     bad = {k: v for k, v in result["shards"].items() if k != "verified"}
     text = [f"{len(shards)} shards: " + ", ".join(f"{v} {k}" for k, v in sorted(result["shards"].items()))
             + f"; {rate_text(verifier.verified_bytes, seconds)}"]
