@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ckptd import runlayout
+from ckptd.cli.reader import NoAnswer, add_url_flag, reader
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
 
@@ -30,6 +30,7 @@ def register(sub: Any) -> None:
     ls.add_argument("run", nargs="?")
     ls.add_argument("--state", help="only steps in this state")
     _common(ls)
+    add_url_flag(ls)
     ls.set_defaults(handler=cmd_ls)
 
     sh = sub.add_parser("show", help="one step with its shards and verification results")
@@ -51,6 +52,7 @@ def register(sub: Any) -> None:
                         "iteration, for a MindFormers launch that loads the checkpoint directory unmodified")
     r.add_argument("--dry-run", action="store_true", help="with --repair-tracker: say what would be written, write nothing")
     _common(r)
+    add_url_flag(r)
     r.set_defaults(handler=cmd_resume)
 
     g = sub.add_parser("gc", help="apply retention: keep newest N restorable, every K-th, pinned")
@@ -143,13 +145,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ckptd.service import catalog
-
-    settings, sessions = catalog_sessions(args)
-    with sessions() as s:
+    with reader(args) as rd:  # the daemon's API (--ckptd-url, $CKPTD_URL) or the catalog
         if args.run is None:
-            runs = catalog.list_runs(s)
-            nodes = catalog.list_nodes(s, settings.node_timeout)
+            runs = rd.list_runs()
+            nodes = rd.list_nodes()
             live = {n["name"]: n["reachable"] for n in nodes}
             rows = [(r["name"], r["layout"], r["world_size"], r["latest_restorable_step"],
                      ", ".join(f"{k}={v}" for k, v in sorted(r["steps"].items())),
@@ -161,7 +160,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                                          ("NODE", "LIVENESS", "LAST HEARTBEAT", "SHARDS"))
             _emit(args, runs, text)
         else:
-            steps = catalog.list_steps(s, args.run, args.state)
+            steps = rd.list_steps(args.run, args.state)
             rows = [("?" if x["training_step"] is None else x["training_step"], x["epoch"], x["step"],
                      "" if x["incarnation"] is None else x["incarnation"], x["kind"], x["state"],
                      "yes" if x["restorable"] else "no",
@@ -204,20 +203,15 @@ def _node_cell(shard: dict) -> str:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
-
-    settings, sessions = catalog_sessions(args)
-    opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease,
-                         exclude_unreachable=args.exclude_unreachable, node_timeout=settings.node_timeout,
-                         hardlinks=settings.allow_hardlinks)
     try:
-        with sessions.begin() as s:
-            doc = resume(s, args.run, opts)
-    except NoRestorableStepError as err:
+        with reader(args, write=True) as rd:  # the oracle: the daemon's (--ckptd-url, $CKPTD_URL) or in-process
+            doc = rd.resume(args.run, args)
+            hardlinks = rd.allow_hardlinks() if args.repair_tracker or args.dry_run else False
+    except NoAnswer as err:
         if args.json:
-            _emit(args, {"detail": {**err.to_dict(), "skipped": err.skipped}}, "")  # type: ignore[attr-defined]
+            _emit(args, {"detail": err.detail}, "")
             return 1
-        for item in err.skipped:  # type: ignore[attr-defined]
+        for item in err.detail.get("skipped") or []:
             print(f"skipped step {item['step']}: {item['reason']}", file=sys.stderr)
         raise
     lines = [f"resume run {doc['run']} at step {doc['step']} (epoch {doc['epoch']}, {len(doc['shards'])} shards)",
@@ -243,7 +237,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if mf.get("tracker"):
             lines.append(f"mindformers: tracker {mf['tracker']['path']}: {mf['tracker']['note']}")
     if args.repair_tracker or args.dry_run:
-        doc["tracker_repair"] = _repair_tracker(args, doc, settings.allow_hardlinks)
+        doc["tracker_repair"] = _repair_tracker(args, doc, hardlinks)
         lines.append(_repair_line(doc["tracker_repair"]))
     lines += [f"skipped step {x['step']}: {x['reason']}" for x in doc["skipped"]]
     if doc["conversion"]:
@@ -253,6 +247,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _repair_tracker(args: argparse.Namespace, doc: dict, hardlinks: bool) -> dict:
+    from ckptd import runlayout
     from ckptd.service import tracker
     from ckptd.storage import PosixStorage
 
@@ -279,12 +274,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from ckptd.policy import RetentionPolicy
     from ckptd.service.retention import gc
 
+    from ckptd.cli import progress
+
     settings, sessions = catalog_sessions(args)
     from ckptd.catalog.nodes import NodeView
 
     owner = NodeView(sessions, settings.node_name, settings.node_timeout).owner()  # this machine deletes its own files
-    report = gc(sessions, settings.storage, RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
-                run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace)
+    with progress.bar(args, "gc: steps deleted", "step") as bar:
+        report = gc(sessions, settings.storage, RetentionPolicy(args.keep_last, args.keep_every), owner=owner,
+                    run_name=args.run, dry_run=args.dry_run, torn_grace=settings.gc_torn_grace, progress=bar)
     doc = report.to_dict()
     lines = []
     for plan in doc["runs"]:
@@ -320,6 +318,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 def cmd_verify_run(args: argparse.Namespace) -> int:
     """``ckptd verify --run R [--step S]``: re-verify catalogued shards now, with a progress bar."""
+    from ckptd.cli import progress
     from ckptd.cli.files import rate_text
     from ckptd.catalog.nodes import NodeView
     from ckptd import daemon
@@ -333,19 +332,13 @@ def cmd_verify_run(args: argparse.Namespace) -> int:
     with sessions() as s:
         _, shards = select_shards(s, args.run, args.step)
 
-    def bar(done: int, total: int) -> None:
-        if sys.stderr.isatty() or args.progress:
-            filled = int(30 * done / max(total, 1))
-            print(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} shards", end="", file=sys.stderr, flush=True)
-
     t0 = time.perf_counter()
-    result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
-                      owner=verifier.nodes.owner)
+    with progress.bar(args, f"verify {args.run}", "shard", len(shards)) as bar:
+        result = reverify(sessions, ingestor.examine_many, verifier.verify_shards, verifier.check_step, shards, bar,
+                          owner=verifier.nodes.owner)
     seconds = time.perf_counter() - t0
     result = {**result, "bytes_verified": verifier.verified_bytes, "seconds": round(seconds, 6),
               "bytes_per_second": round(verifier.verified_bytes / seconds) if seconds > 0 else None}
-    if sys.stderr.isatty() or args.progress:
-        print(file=sys.stderr)
     bad = {k: v for k, v in result["shards"].items() if k != "verified"}
     text = [f"{len(shards)} shards: " + ", ".join(f"{v} {k}" for k, v in sorted(result["shards"].items()))
             + f"; {rate_text(verifier.verified_bytes, seconds)}"]

@@ -169,8 +169,12 @@ def run_convert(args: argparse.Namespace) -> int:
     # a derived target strategy is part of the written set (committed by its manifest with the ranks)
     strategy_file = (derived_name, encode_strategy(dst, "proto")) if derived_name is not None and dst is not None \
         else None
-    report = convert(args.src, src, dst, args.out, workers=workers, key=key, out_key=out_key,
-                     out_format=args.format, prefix=args.prefix, plan=plan, strategy_file=strategy_file)
+    from ckptd.cli import progress
+
+    with progress.bar(args, "convert", "B", plan.bytes_out, scale=True) as bar:
+        report = convert(args.src, src, dst, args.out, workers=workers, key=key, out_key=out_key,
+                         out_format=args.format, prefix=args.prefix, plan=plan, strategy_file=strategy_file,
+                         progress=bar)
     strategy_path = os.path.join(report.out_dir, derived_name) if strategy_file is not None else None
     if args.json:
         print(json.dumps({**report.to_dict(), "derived_strategy": strategy_path}, indent=2))
@@ -194,14 +198,17 @@ def _run_from_catalog(args: argparse.Namespace) -> int:
         raise _usage("--run works with --step, --to-strategy/--to-layout, [--out], key files and --workers only")
     if args.step is None or not str(args.step).isdigit():
         raise _usage("--run needs --step N (the step as `ckptd ls RUN` shows it)")
+    from ckptd.cli import progress
+
     settings, sessions = catalog_sessions(args)
-    doc = convert_step(
-        sessions, settings.storage, args.run, int(args.step), to_strategy=args.to_strategy,
-        split=parse_split(args.to_layout) if args.to_layout is not None else None,
-        out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
-        out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,
-        node=settings.node_name,
-    )
+    with progress.bar(args, f"convert {args.run} step {args.step}", "B", scale=True) as bar:
+        doc = convert_step(
+            sessions, settings.storage, args.run, int(args.step), to_strategy=args.to_strategy,
+            split=parse_split(args.to_layout) if args.to_layout is not None else None,
+            out_dir=args.out, key=load_key_file(args.key_file) if args.key_file else settings.encryption_key(),
+            out_key=load_key_file(args.out_key_file) if args.out_key_file else None, workers=args.workers,
+            node=settings.node_name, progress=bar,
+        )
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     elif doc.get("reused"):

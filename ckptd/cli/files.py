@@ -163,6 +163,13 @@ def expand_paths(paths: list[str]) -> Iterator[str]:
             yield path
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # verify_path reports the missing or unreadable file
+
+
 def _problem_line(report: FileReport, code: str, message: str, offset: int | None, hint: str) -> str:
     where = f" @ byte {offset}" if offset is not None else ""
     return f"FAIL {report.path}{where}: {message} [{code}]" + (f" (hint: {hint})" if hint else "")
@@ -179,9 +186,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise CkptdError("nothing to verify", hint="ckptd verify PATH... or ckptd verify --run R [--step S]")
     key = _key(args)
     t0 = time.perf_counter()
+    from ckptd.cli import progress
     from ckptd.format.verify import verify_path
 
-    reports = [verify_path(p, key, require_crc=args.require_crc) for p in expand_paths(args.paths)]
+    paths = list(expand_paths(args.paths))
+    sizes = [_size(p) for p in paths]
+    reports = []
+    with progress.bar(args, "verify", "B", sum(sizes), scale=True) as bar:
+        for n, path in enumerate(paths):
+            reports.append(verify_path(path, key, require_crc=args.require_crc))
+            bar(sum(sizes[: n + 1]), sum(sizes))
     seconds = time.perf_counter() - t0
     nbytes = sum(r.size for r in reports)
     ok = all(r.ok for r in reports)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
 from ckptd.errors import (
     CkptdError,
@@ -21,16 +19,18 @@ from ckptd.errors import (
     UnknownFormatError,
 )
 from ckptd.format import ckpt as ckpt_fmt
-from ckptd.format import ckpt_write
 from ckptd.format import crypto
 from ckptd.format import safetensors_format as st_fmt
 from ckptd.format.crc import crc32, parallel_crc32
 from ckptd.format.digest import StreamDigest
-from ckptd.format.dtypes import numpy_dtype
+from ckptd.format.dtypes import numpy_dtype, scalar_value
 from ckptd.format.entry import TensorEntry
 from ckptd.format.index_cache import IndexCache
 from ckptd.format.limits import DEFAULT_LIMITS, FormatLimits, LimitExceededError
 from ckptd.format.source import ByteSource, MmapSource
+
+if TYPE_CHECKING:  # numpy loads when an array is made: an index, a CRC or a scalar needs none (start-up)
+    import numpy as np
 
 Format = Literal["ckpt", "safetensors"]
 
@@ -101,6 +101,8 @@ class CheckpointFile:
             buf: Any = self.source.view(*ent.segments[0])
         else:
             buf = b"".join(bytes(v) for v in self.iter_payload(name))
+        import numpy as np
+
         arr = np.frombuffer(buf, dtype=dt).reshape(ent.shape)
         arr.flags.writeable = False
         return arr
@@ -113,8 +115,9 @@ class CheckpointFile:
                 return ckpt_fmt.decode_string(b"".join(bytes(v) for v in self.iter_payload(name)))
             except CkptdError as exc:
                 raise exc.with_path(self.path) from None
-        arr = self.array(name)
-        return arr.item() if ent.is_scalar and ent.dtype not in ("BFloat16", "Int4") else arr
+        if ent.is_scalar and ent.dtype not in ("BFloat16", "Int4") and ent.expected_nbytes() == ent.nbytes:
+            return scalar_value(ent.dtype, self.read_range(name, 0, ent.nbytes))
+        return self.array(name)
 
     # --- integrity -----------------------------------------------------------------------------
 
@@ -257,6 +260,7 @@ def write_checkpoint(
     cannot load itself; see docs/FORMATS.md).
     """
     from ckptd.atomic import atomic_write
+    from ckptd.format import ckpt_write  # the writer (numpy) loads only when writing: readers start fast
 
     with atomic_write(path, overwrite=overwrite) as fh:
         write_checkpoint_to(fh, items, crc=crc, enc_key=enc_key, enc_mode=enc_mode, block_size=block_size)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from ckptd.errors import FormatError, StrategyError
 
 #: Tensor entries per checkpoint file (``.ckpt``: protobuf records, so a tensor split into several
@@ -117,6 +115,8 @@ def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     before Python's parser sees the text, at C speed and in chunks (memory: one chunk of counters)."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
+    import numpy as np  # here: the limits are read by every command, this check by few (start-up)
+
     brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     depth = 0
     for at in range(0, len(brackets), _DEPTH_CHUNK):

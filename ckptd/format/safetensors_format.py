@@ -39,9 +39,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ckptd.errors import CkptdError, CorruptError, FormatError, TruncatedError, UnsupportedDtypeError
 from ckptd.format import dtypes as dt
@@ -55,6 +53,9 @@ from ckptd.format.limits import (
     LimitExceededError,
 )
 from ckptd.format.source import ByteSource
+
+if TYPE_CHECKING:  # numpy loads when an array is made (start-up of the commands that only read indexes)
+    import numpy as np
 
 FORMAT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 """The format's own ceiling (the Rust reference refuses larger headers): a length field beyond it
@@ -447,6 +448,8 @@ def _parse_crc(metadata: dict[str, str], raw: bytes | memoryview) -> int | None:
 def array_view(source: ByteSource, entry: TensorEntry) -> np.ndarray:
     """Read-only numpy view of an entry (raw uint16 bits for BFloat16, int8 storage for Int4)."""
     (offset, length), = entry.segments
+    import numpy as np
+
     arr = np.frombuffer(source.view(offset, length), dtype=dt.numpy_dtype(entry.dtype)).reshape(entry.shape)
     arr.flags.writeable = False
     return arr

@@ -83,18 +83,19 @@ def _with_in_use(info):  # noqa: ANN001, ANN202 - tiny dataclass helper
 
 def gc(
     sessions: sessionmaker[Session], store: PosixStorage, policy: RetentionPolicy, *, run_name: str | None = None, dry_run: bool = False,
-    owner: repo.Owner = repo.LOCAL, torn_grace: float | None = None,
+    owner: repo.Owner = repo.LOCAL, torn_grace: float | None = None, progress: Callable[[int, int], None] | None = None,
 ) -> GcReport:
     """Apply ``policy``: plan and mark (phase 1, one transaction), then delete the files and rows
     (phases 2 and 3, :func:`finish_pending`; a process dying in between leaves the marks, which
     the next gc or daemon start finishes). ``torn_grace``: also remove torn temp files untouched
-    for that many seconds (:func:`sweep_torn_temps`)."""
+    for that many seconds (:func:`sweep_torn_temps`). ``progress(done, total)``: steps whose
+    deletion (phases 2 and 3) is done."""
     report = GcReport(dry_run=dry_run)
     if not dry_run:
-        finish_pending(sessions, store, report, owner)
+        finish_pending(sessions, store, report, owner, progress)
     mark_for_deletion(sessions, policy, report, run_name=run_name)
     if not dry_run:
-        finish_pending(sessions, store, report, owner)
+        finish_pending(sessions, store, report, owner, progress)
     if torn_grace is not None:
         sweep_torn_temps(sessions, store, torn_grace, report, run_name=run_name)
     return report
@@ -195,7 +196,7 @@ def _refused(remove: Callable[[str], None], path: str) -> str | None:
 
 
 def finish_pending(sessions: sessionmaker[Session], store: PosixStorage, report: GcReport | None = None,
-                   owner: repo.Owner = repo.LOCAL) -> int:
+                   owner: repo.Owner = repo.LOCAL, progress: Callable[[int, int], None] | None = None) -> int:
     """Phases 2 and 3 for every step left in ``deleting`` (also after a crash).
 
     Each node deletes only its own files (``owner``: docs/ARCHITECTURE.md, *Nodes*) and records
@@ -205,7 +206,9 @@ def finish_pending(sessions: sessionmaker[Session], store: PosixStorage, report:
     report = report or GcReport(dry_run=False)
     with sessions() as s:
         pending = removal.deleting_step_ids(s)
-    for ckpt_id in pending:
+    for done, ckpt_id in enumerate(pending):
+        if progress is not None:
+            progress(done, len(pending))  # before each step: the loop's `continue`s need no report of their own
         with sessions() as s:
             rows = removal.shard_rows(s, ckpt_id)
         refused, mine = [], []
@@ -243,6 +246,8 @@ def finish_pending(sessions: sessionmaker[Session], store: PosixStorage, report:
             _keep_with_reason(sessions, ckpt_id, refused, report)
             continue
         report.deleted_steps += 1
+    if progress is not None and pending:
+        progress(len(pending), len(pending))
     return len(pending)
 
 
