@@ -260,7 +260,6 @@ def write_checkpoint(
     cannot load itself; see docs/FORMATS.md).
     """
     from ckptd.atomic import atomic_write
-    from ckptd.format import ckpt_write  # the writer (numpy) loads only when writing: readers start fast
 
     with atomic_write(path, overwrite=overwrite) as fh:
         write_checkpoint_to(fh, items, crc=crc, enc_key=enc_key, enc_mode=enc_mode, block_size=block_size)
@@ -276,6 +275,8 @@ def write_checkpoint_to(
     block_size: int = crypto.ENCRYPT_BLOCK_SIZE,
 ) -> None:
     """:func:`write_checkpoint`'s bytes into an open file (the caller makes it atomic)."""
+    from ckptd.format import ckpt_write  # the writer (numpy) loads only when writing: readers start fast
+
     if enc_key is None:
         ckpt_write.write_ckpt_stream(fh, items, crc=crc)
         return

@@ -33,6 +33,8 @@ DEFAULT_ROOT = "/dev/shm/ckptd"
 #: bytes hashed per call: xxhash holds the GIL while it hashes, so the training thread gets it back
 #: between chunks (a 4 MiB chunk is about a millisecond)
 HASH_CHUNK = 4 << 20
+#: the longest a slot is kept for the daemon to persist (a daemon that is down must not pin it)
+HOLD_MAX = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,9 @@ class FlashWriter:
         self.committing: threading.Thread | None = None
         self.error: BaseException | None = None
         # numbering continues after a restart: a reader must never see an older seq as newer
+        # the node daemon's persist cadence: a snapshot of such a step is kept until its file exists
+        self.persist_every = memslot.read_persist_every(self.root)
+        self.held: tuple[int, str, float] | None = None  # (slot, the file it waits for, since)
         newest = memslot.newest(self.paths, uid=os.geteuid())
         self.seq, self.newest_slot = (newest.seq, self.paths.index(newest.path)) if newest else (0, 1)
         if newest is not None:
@@ -155,7 +160,9 @@ class FlashWriter:
         payload_len = table.payload_len
         if len(raw) > self.table_room or memslot.slot_size(self.table_room, payload_len) != self.capacity:
             self._reserve(len(raw), payload_len)
-        slot = 1 - self.newest_slot
+        slot = self._free_slot()
+        if self.persist_every and global_step % self.persist_every == 0:
+            self.held = (slot, os.path.join(self.run_dir, file), time.monotonic())
         m = self.maps[slot]
         off = memslot.payload_offset(self.table_room)
         m[memslot.SEQ_OFFSET:memslot.SEQ_OFFSET + 8] = b"\0" * 8  # uncommitted from here on
@@ -170,6 +177,19 @@ class FlashWriter:
                                            name="ckptd-flash-commit", daemon=True)
         self.committing.start()
         return stall
+
+    def _free_slot(self) -> int:
+        """The slot a snapshot goes to: the one without the newest snapshot -- unless that one holds a
+        step the daemon has yet to persist; the newest is then overwritten (while it is, the held
+        step is the one whole snapshot: the price of persisting it)."""
+        slot = 1 - self.newest_slot
+        if self.held is not None and self.held[0] == slot:
+            _, waits_for, since = self.held
+            if os.path.exists(waits_for) or time.monotonic() - since > HOLD_MAX:
+                self.held = None
+            else:
+                return self.newest_slot
+        return slot
 
     def _commit(self, slot: int, raw: bytes, table: memslot.Table, off: int) -> None:
         try:

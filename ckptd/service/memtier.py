@@ -65,7 +65,9 @@ class MemoryTier:
 
     def reconcile(self) -> None:
         """At start: a copy the catalog says this node holds is kept only if its slot still holds
-        that snapshot (same digest); a reboot or a cleared /dev/shm leaves none."""
+        that snapshot (same digest); a reboot or a cleared /dev/shm leaves none. Tells jobs the
+        persist cadence (``memslot.PERSIST_MARKER``)."""
+        self.advertise()
         with self.sessions.begin() as s:
             gone: list[int] = []
             for ckpt_id, _, loc, digest in copies.live_on_node(s, Tier.MEMORY, self.node):
@@ -76,6 +78,20 @@ class MemoryTier:
                 else:
                     gone += copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, "the slot no longer holds it")
             self._prune(s, gone)
+
+    def advertise(self) -> None:
+        """Write ``persist_every`` into the memory root (created like a job would: shared, sticky)."""
+        from ckptd.atomic import atomic_write
+
+        try:
+            if not os.path.isdir(self.root):
+                os.makedirs(self.root, exist_ok=True)
+                os.chmod(self.root, 0o1777)
+            with atomic_write(os.path.join(self.root, memslot.PERSIST_MARKER), overwrite=True) as fh:
+                fh.write(str(self.persist_every).encode())
+        except OSError as err:
+            log.warning("memory tier: cannot write %s in %s (%s): jobs will not keep slots for persisting",
+                        memslot.PERSIST_MARKER, self.root, err.strerror)
 
     # --- one pass ------------------------------------------------------------------------------------
 
@@ -109,6 +125,8 @@ class MemoryTier:
         except (FileNotFoundError, NotADirectoryError):
             return []
         for key in keys:
+            if key.startswith("."):  # the persist marker (and its temp name): ckptd's own
+                continue
             region = os.path.join(self.root, key)
             try:
                 st = os.lstat(region)

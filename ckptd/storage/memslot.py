@@ -50,6 +50,18 @@ ALIGN = 64
 SLOTS = ("slot_0", "slot_1")
 #: a table is the names and shapes of one rank's tensors: a few MiB for the largest models
 MAX_TABLE = 64 << 20
+#: the node daemon's ``persist_every``, in the memory root: a job keeps the slot of such a step
+#: until its file exists (a slot otherwise lives two snapshots, maybe shorter than a file write)
+PERSIST_MARKER = ".persist-every"
+
+
+def read_persist_every(memory_root: str) -> int:
+    try:
+        with open(os.path.join(memory_root, PERSIST_MARKER), "rb") as fh:
+            value = int(fh.read(32).decode().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+    return max(value, 0)
 
 
 class SlotError(CkptdError):
