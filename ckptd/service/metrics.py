@@ -155,13 +155,15 @@ class CatalogCollector:
             "save is restorable; absent for a run with no restorable step, or while the newest save's global step "
             "is not known (a later-epoch MindFormers save before any of its shards verified).",
             labels=["run"])
-        for run in catalog.list_runs(s):
-            restorable = run["latest_restorable_step"]
-            if restorable is None:
+        # not catalog.list_runs: its shards per node scan every shard row of every run (seconds on a
+        # million-row PostgreSQL catalog; bench/metrics_scrape.py)
+        for run in reads.runs(s):
+            latest = catalog.latest_restorable(s, run.id)
+            if latest is None:
                 continue
-            newest = catalog.list_steps(s, run["name"], limit=1)  # newest first, as GET /v1/runs/{run}/steps
+            newest = catalog.list_steps(s, run.name, limit=1)  # newest first, as GET /v1/runs/{run}/steps
             if newest and newest[0]["training_step"] is not None:
-                steps.add_metric([run["name"]], max(0, newest[0]["training_step"] - restorable))
+                steps.add_metric([run.name], max(0, newest[0]["training_step"] - latest[0]))
         return [seconds, steps]
 
     @staticmethod
