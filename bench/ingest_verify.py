@@ -591,8 +591,8 @@ class _DaemonProc:
     def verified_total(self) -> int | None:
         """This process's own count of verdicts it stored (``ckptd_shards_verified_total``)."""
         with contextlib.suppress(OSError):
-            m = re.search(r"^ckptd_shards_verified_total (\d+)$", self.get("/metrics"), re.MULTILINE)
-            return int(m.group(1)) if m else None
+            m = re.search(r"^ckptd_shards_verified_total (\S+)$", self.get("/metrics"), re.MULTILINE)
+            return int(float(m.group(1))) if m else None  # prometheus_client writes every value as a float
         return None
 
     def log_text(self) -> str:

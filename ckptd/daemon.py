@@ -23,6 +23,7 @@ from ckptd.policy import RetentionPolicy
 from ckptd.service.ingest import Ingestor
 from ckptd.service.jobrunner import JobRunner
 from ckptd.service.jobs import recover_abandoned
+from ckptd.service.metrics import DaemonMetrics, Tallies
 from ckptd.service.retention import finish_pending, gc
 from ckptd.service.stepcheck import ReplicaCheck
 from ckptd.service.stepjudge import StepJudge
@@ -41,15 +42,17 @@ def shard_rules(settings: Settings) -> ShardRules:
 
 
 def verifier(settings: Settings, sessions: sessionmaker, nodes: NodeView, index_cache: IndexCache | None = None,
-             *, pool: bool = True) -> ShardVerifier:
+             *, pool: bool = True, on_verified: Callable[[list[int]], None] | None = None) -> ShardVerifier:
     """The daemon's verifier (``pool``: ``verify_workers`` threads), or one that verifies on the
-    caller's thread (``ckptd verify --run``), with the step checks of this configuration."""
+    caller's thread (``ckptd verify --run``), with the step checks of this configuration
+    (``on_verified``: see ``ShardVerifier``)."""
     rules = shard_rules(settings)
     steps = StepJudge(rules.store, sessions, rules.key, ReplicaCheck(settings.replica_check, settings.replica_sample),
                       index_cache)
     if pool:
-        return Verifier(rules, sessions, steps, nodes, index_cache, workers=settings.verify_workers)
-    return ShardVerifier(rules, sessions, steps, nodes, index_cache)
+        return Verifier(rules, sessions, steps, nodes, index_cache, workers=settings.verify_workers,
+                        on_verified=on_verified)
+    return ShardVerifier(rules, sessions, steps, nodes, index_cache, on_verified=on_verified)
 
 
 def ingestor(settings: Settings, sessions: sessionmaker, nodes: NodeView, submit: Callable[..., None],
@@ -69,7 +72,11 @@ class Daemon:
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         index_cache = IndexCache()  # a new shard is opened by ingest, verification and step checks
         self.nodes = NodeView(self.sessions, settings.node_name, settings.node_timeout, root=str(settings.root))
-        self.verifier: Verifier = verifier(settings, self.sessions, self.nodes, index_cache)  # type: ignore[assignment]
+        # /metrics: this daemon's registry; the verifier and the resume route observe latencies on it
+        self.metrics = DaemonMetrics(self.sessions, node=settings.node_name, node_timeout=settings.node_timeout,
+                                     tallies=self.tallies)
+        self.verifier: Verifier = verifier(settings, self.sessions, self.nodes, index_cache,  # type: ignore[assignment]
+                                           on_verified=self.metrics.shards_verified)
         self.ingestor = ingestor(settings, self.sessions, self.nodes, self.verifier.submit, self.verifier.submit_step,
                                  index_cache)
         self._stopping = threading.Event()
@@ -94,6 +101,14 @@ class Daemon:
         with self._conversion_lock:
             self.conversion_bytes += nbytes
             self.conversion_seconds += seconds
+
+    def tallies(self) -> Tallies:
+        """This process's counts since start, as ``/metrics`` reports them."""
+        v = self.verifier
+        with self._conversion_lock:
+            converted = (self.conversion_bytes, self.conversion_seconds)
+        return Tallies(v.verified_count, v.failed_count, v.verified_bytes, v.verify_seconds, self.watcher.rescans,
+                       self.watcher.events_lost, *converted)
 
     def start(self) -> None:
         log.info("watching %s as node %s (catalog %s)", self.settings.root, self.settings.node_name,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HEAVY = ("fastapi", "sqlalchemy", "numpy", "pydantic", "cryptography", "uvicorn", "mindspore")
+HEAVY = ("fastapi", "sqlalchemy", "numpy", "pydantic", "cryptography", "uvicorn", "mindspore", "prometheus_client")
 PROBE = """
 import contextlib, io, json, sys
 from ckptd.cli import main

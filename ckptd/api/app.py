@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI
@@ -42,7 +41,6 @@ def create_app(settings: Settings, *, daemon: Daemon | None = None) -> FastAPI:
         d = daemon or Daemon(settings)
         app.state.daemon = d
         app.state.sessions = d.sessions
-        app.state.started = time.monotonic()
         app.state.resume_cache.bind(d.engine)
         d.start()
         try:

@@ -14,7 +14,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ckptd.catalog import repo
-from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Shard
+from ckptd.catalog.models import Checkpoint, ConversionJob, Job, Run, Shard
 from ckptd.states import ShardState, StepState
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -22,6 +22,14 @@ from ckptd.states import ShardState, StepState
 
 def recent_jobs(s: Session, limit: int) -> list[Job]:
     return list(s.execute(select(Job).order_by(Job.id.desc()).limit(limit)).scalars())
+
+
+def jobs_in(s: Session, kind: str, states: tuple[str, ...]) -> list[tuple[Job, str | None]]:
+    """(job, its run's name) of the jobs of ``kind`` in ``states``, by id (``/metrics``: the
+    running conversions)."""
+    q = (select(Job, Run.name).outerjoin(Run, Run.id == Job.run_id)
+         .where(Job.kind == kind, Job.state.in_(states)).order_by(Job.id))
+    return [(job, name) for job, name in s.execute(q)]
 
 
 def convert_jobs(s: Session) -> list[Job]:

@@ -50,9 +50,16 @@ def get_step(s: Session, run: Run, step: int, kind: str = "trained") -> Checkpoi
     return rows[0]
 
 
+def latest_restorable(s: Session, run_id: int) -> tuple[int, datetime] | None:
+    """The run's newest restorable step as users count training (its global step), and when it
+    last changed; None while it has none (``GET /v1/runs``, ``/metrics``' recovery point)."""
+    latest = reads.latest_verified_step(s, run_id)
+    return (_named(latest), latest[3]) if latest else None
+
+
 def run_dict(s: Session, run: Run) -> dict[str, Any]:
     counts = reads.step_state_counts(s, run.id)
-    latest = reads.latest_verified_step(s, run.id)
+    latest = latest_restorable(s, run.id)
     nodes = reads.live_shards_per_node(s, run.id)
     return {
         "name": run.name,
@@ -62,8 +69,8 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
         "world_size": run.world_size,
         "steps": counts,
         # as users count training (the global step), not the file names' within-epoch number
-        "latest_restorable_step": _named(latest) if latest else None,
-        "latest_restorable_at": iso_time(latest[3]) if latest else None,
+        "latest_restorable_step": latest[0] if latest else None,
+        "latest_restorable_at": iso_time(latest[1]) if latest else None,
         "created_at": iso_time(run.created_at),
     }
 

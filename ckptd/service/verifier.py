@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta, timezone
 
@@ -224,11 +225,16 @@ def _earlier_ask(a: datetime | None, b: datetime | None) -> datetime | None:
 
 
 class ShardVerifier:
-    """Verification on the caller's thread; the counters are what ``/metrics`` reports."""
+    """Verification on the caller's thread; the counters are what ``/metrics`` reports.
+
+    ``on_verified``: called with the mtimes (ns) of the files whose *first* verdict ``verified``
+    was just stored (the daemon's rename-to-verified latency; re-verifications are not first)."""
 
     def __init__(self, rules: ShardRules, sessions: sessionmaker[Session], steps: StepJudge, nodes: NodeView,
-                 index_cache: IndexCache | None = None) -> None:
+                 index_cache: IndexCache | None = None, *,
+                 on_verified: Callable[[list[int]], None] | None = None) -> None:
         self.rules, self.sessions, self.steps, self.index_cache = rules, sessions, steps, index_cache
+        self.on_verified = on_verified
         # only the node that sees a file judges it; several nodes on one shared root split the work
         self.nodes = nodes
         self.stamp = rules.stamp  # what a verdict depended on besides the file
@@ -303,6 +309,12 @@ class ShardVerifier:
             self.verify_seconds += sum(v.seconds for v in counted)
             self.failed_count += len(bad)
             self.verified_count += len(counted) - len(bad)
+        if self.on_verified is not None:
+            # no digest recorded before: the file is new at its name (ingest clears it for a rewritten one)
+            fresh = {sid for sid, _, digest in shards if digest is None}
+            mtimes = [v.stat.mtime_ns for v in counted if v.state == ShardState.VERIFIED and v.shard_id in fresh]
+            if mtimes:
+                self.on_verified(mtimes)
         paths = {sid: path for sid, path, _ in shards}
         for v in bad:
             log.warning("shard %s is corrupt: %s", paths[v.shard_id], v.values["error"])
@@ -341,8 +353,9 @@ class Verifier(ShardVerifier):
     """``ShardVerifier`` plus ``verify_workers`` threads working a queue keyed by checkpoint."""
 
     def __init__(self, rules: ShardRules, sessions: sessionmaker[Session], steps: StepJudge, nodes: NodeView,
-                 index_cache: IndexCache | None = None, *, workers: int = 2) -> None:
-        super().__init__(rules, sessions, steps, nodes, index_cache)
+                 index_cache: IndexCache | None = None, *, workers: int = 2,
+                 on_verified: Callable[[list[int]], None] | None = None) -> None:
+        super().__init__(rules, sessions, steps, nodes, index_cache, on_verified=on_verified)
         # checkpoint id -> {shard id: its ask (see submit)}; an empty entry asks for the step checks
         self.queue: KeyedQueue[int, int, datetime | None] = KeyedQueue(_BATCH, _earlier_ask)
         self._workers = [threading.Thread(target=self._work, name=f"ckptd-verify-{i}", daemon=True)
