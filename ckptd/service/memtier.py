@@ -264,8 +264,9 @@ class MemoryTier:
         return out if snap.check(hasher.digest()) else None
 
     def _slice_problem(self, s: Session, ckpt, rank: int, shapes: dict[str, tuple[int, ...]]) -> str | None:  # noqa: ANN001
-        """Shapes against the strategy the step is (or would be) bound to; None when none is catalogued
-        (as for files: the step is then "layout unchecked")."""
+        """Shapes against the strategy the step is bound to -- binding it, as ingest does for a
+        step's first file, when it is not yet; None when no strategy is catalogued (as for files:
+        the step is then "layout unchecked")."""
         from ckptd.catalog.models import Run, StrategyFile
         from ckptd.format.strategy import parse_strategy_bytes
         from ckptd.service import rank_strategies, stepcheck
@@ -274,6 +275,8 @@ class MemoryTier:
         if row is None:
             run = s.get(Run, ckpt.run_id)
             row = rank_strategies.current(s, self.store, run) if run is not None else None
+            if row is not None and not row.error:
+                ckpt.strategy_id, ckpt.expected_ranks = row.id, row.world_size
         if row is None or row.error or row.content is None:
             return None
         key = (row.path, row.content_hash)
