@@ -132,7 +132,8 @@ class Daemon:
 
             self.memory = MemoryTier(self.sessions, self.store, str(self.settings.memory_root), self.settings.node_name,
                                      persist_every=self.settings.persist_every, key=self.settings.encryption_key(),
-                                     release_after=self.settings.memory_release_after)
+                                     release_after=self.settings.memory_release_after,
+                                     scrub_after=self.settings.memory_scrub_after)
             self.memory.reconcile()
             threading.Thread(target=self._memory_loop, name="ckptd-memory", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:

@@ -116,6 +116,8 @@ class Settings(BaseSettings):
     persist_every: int = Field(default=50, ge=0, description="memory tier: write every N-th global step's snapshot "
                                                             "as a checkpoint file in the run's layout (0: never)")
     memory_scan_interval: float = Field(default=0.02, gt=0, description="memory tier: how often commit words are read (s): a slot lives two snapshots")
+    memory_scrub_after: float = Field(default=300.0, gt=0, description="memory tier: a slot unchanged this long is "
+                                                                       "hashed again (damage -> corrupt) (s)")
     memory_release_after: float = Field(default=3600.0, gt=0, description="memory tier: a run's slots unchanged this "
                                                                          "long (no live job) are released (s)")
     scrub_interval: float = Field(

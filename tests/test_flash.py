@@ -4,15 +4,20 @@ a resume from memory; the resumed job ends bitwise equal to an uninterrupted one
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 
 from tests.api_helpers import resume_of, serve_process, stop_process
 from tests.daemon_helpers import migrated_sqlite, wait_for
-from tests.trainer_helpers import load, read, shard, train
+from ckptd.storage import memslot
+from tests.trainer_helpers import REPO, TINY, env, load, read, shard, train
 
 STEPS = 14
 KILL_AT = 13  # the rank dies at the start of step 13: steps 1-12 are done
@@ -33,7 +38,7 @@ def served(tmp_path):
     root.mkdir()
     log = tmp_path / "serve.log"
     proc, client = serve_process(root, migrated_sqlite(tmp_path / "c.db"), log, "--persist-every", str(PERSIST),
-                                 "--memory-root", str(shm))
+                                 "--memory-root", str(shm), CKPTD_MEMORY_SCRUB_AFTER="0.5")
     try:
         wait_for(lambda: resume_of(proc, client, log, "none") is None and _up(client), timeout=60, what="serve up")
         yield root, shm, client, proc, log
@@ -84,10 +89,8 @@ def test_a_killed_rank_resumes_from_memory_and_ends_bitwise_equal(ms, reference,
     assert answer["step"] == newest and answer["tier"] == "memory", answer  # RPO <= 1 step
     [slot] = answer["shards"]
     assert slot["path"].startswith(str(shm)) and slot["location"].startswith("memory://")
-    resume_file = tmp_path / "answer.json"
-    resume_file.write_text(__import__("json").dumps(answer))
     resumed = train(run, "--steps", str(STEPS), "--save-every", "100", "--snapshot-every", "1",
-                    "--memory-root", str(shm), "--resume-from", str(resume_file))
+                    "--memory-root", str(shm), "--resume-from", _answer_file(tmp_path, answer))
     assert f"resumed from step {newest} (memory:" in resumed.stdout
     final = load(ms, shard(run, 0, STEPS))
     want = load(ms, shard(reference, 0, STEPS))
@@ -110,9 +113,72 @@ def test_with_the_memory_wiped_the_job_resumes_from_the_last_persisted_file(ms, 
              timeout=30, what="the daemon noticed the slots are gone")
     answer = resume_of(proc, client, log, "run1")
     assert answer["step"] == 10 and answer["tier"] == "file", answer
-    resume_file = tmp_path / "answer.json"
-    resume_file.write_text(__import__("json").dumps(answer))
-    train(run, "--steps", str(STEPS), "--save-every", "100", "--resume-from", str(resume_file))
+    train(run, "--steps", str(STEPS), "--save-every", "100", "--resume-from", _answer_file(tmp_path, answer))
     final, want = load(ms, shard(run, 0, STEPS)), load(ms, shard(reference, 0, STEPS))
     for name in want:
         assert final[name].tobytes() == want[name].tobytes(), name
+
+
+def _answer_file(tmp_path, answer) -> str:
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(answer))
+    return str(path)
+
+
+def test_a_rank_killed_in_the_middle_of_a_copy_resumes_from_the_previous_snapshot(ms, reference, served, tmp_path):
+    root, shm, client, proc, log = served
+    run = root / "run1"
+    out = train(run, "--steps", str(STEPS), "--save-every", "100", "--snapshot-every", "1", "--memory-root", str(shm),
+                "--fault", "kill-in-snapshot:0:9", check=False)
+    assert out.returncode == -9 and "in the middle of its snapshot of step 9" in out.stdout, out.stdout[-2000:]
+    slots = sorted((shm / memslot.run_key(str(run)) / "rank_0").iterdir())
+    assert sorted(memslot.commit_word(p.read_bytes()[:memslot.PAGE]) == 0 for p in slots) == [False, True]
+    answer = wait_for(lambda: resume_of(proc, client, log, "run1"), timeout=30, what="an answer")
+    assert answer["step"] == 8 and answer["tier"] == "memory", answer  # the torn slot is never answered
+    train(run, "--steps", str(STEPS), "--save-every", "100", "--resume-from", _answer_file(tmp_path, answer))
+    final, want = load(ms, shard(run, 0, STEPS)), load(ms, shard(reference, 0, STEPS))
+    for name in want:
+        assert final[name].tobytes() == want[name].tobytes(), name
+
+
+def test_a_flipped_byte_in_a_committed_slot_is_corrupt_and_never_answered(served, tmp_path):
+    root, shm, client, proc, log = served
+    run = _killed_run(root, shm)
+    region = shm / memslot.run_key(str(run)) / "rank_0"
+    wait_for(lambda: resume_of(proc, client, log, "run1"), timeout=30, what="an answer")
+    newest = memslot.newest([str(p) for p in sorted(region.iterdir())])
+    step, path = newest.table.global_step, newest.path
+    off = newest.payload_off
+    newest.close()
+    with open(path, "r+b") as fh:  # bit rot in RAM after the daemon verified the slot
+        fh.seek(off + 11)
+        b = fh.read(1)
+        fh.seek(off + 11)
+        fh.write(bytes([b[0] ^ 0x04]))
+
+    def judged():
+        doc = client.get(f"/v1/runs/run1/steps/{step}").json()
+        return doc if any(c["state"] == "corrupt" for c in doc["copies_without_file"]) else None
+
+    doc = wait_for(judged, timeout=30, what="the idle slot scrubbed")  # CKPTD_MEMORY_SCRUB_AFTER=0.5
+    bad = [c for c in doc["copies_without_file"] if c["state"] == "corrupt"]
+    assert "digest mismatch" in bad[0]["error"] and doc["tiers"] == []
+    answer = resume_of(proc, client, log, "run1")
+    assert answer["step"] == step - 1 and answer["tier"] == "memory", answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a private tmpfs")
+def test_too_little_shared_memory_is_said_at_start_and_training_goes_on_with_files(tmp_path):
+    """A real 256 KiB tmpfs as the memory root: the trainer says what it needs and what is free,
+    and trains to the end with its file saves."""
+    small, run = tmp_path / "small", tmp_path / "root" / "run1"
+    small.mkdir()
+    cmd = " ".join([sys.executable, "-m", "trainer.train", "--run-dir", str(run), *TINY, "--steps", "6",
+                    "--save-every", "3", "--snapshot-every", "1", "--memory-root", str(small / "ckptd")])
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o size=256k none {small} && {cmd}"],
+                         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if "memory tier off" in l)
+    assert re.search(r"needs \d+ bytes for rank 0's two slots \(\d+ each\) in .*, and \d+ bytes are free", line), line
+    assert "file checkpoints go on" in line
+    assert os.path.exists(shard(run, 0, 3)) and os.path.exists(shard(run, 0, 6))

@@ -152,3 +152,15 @@ def test_too_little_shared_memory_is_a_clear_error_naming_the_bytes(tmp_path):
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
     msg = out.stdout.split("REFUSED", 1)[1]
     assert "needs 4210688 bytes" in msg and "(2105344 each)" in msg and "1048576 bytes are free" in msg and "file checkpoints go on" in msg
+
+
+def test_a_state_that_grows_never_destroys_the_newest_snapshot(writer):
+    _snapshot(writer, 1)
+    _snapshot(writer, 2)
+    bigger = _state(3) + [("extra", np.ones(300_000, np.float32))]  # the slot must grow
+    writer.snapshot(3, 1, "rank_3/net-1_3.ckpt", bigger, [("step_num", 3)])
+    writer.wait()
+    assert sorted(memslot.open_snapshot(p).table.global_step for p in writer.paths) == [2, 3]
+    snap = memslot.newest(writer.paths)
+    assert snap.table.global_step == 3 and snap.verify()
+    snap.close()

@@ -5,7 +5,11 @@
                         MindSpore's writer thread was started and waits for the file lock the
                         rank holds, so the shard never lands (deterministic: a small save raced
                         to completion before a kill aimed at its ``.tmp`` under load);
-* ``hang:R:S``          rank R stops (sleeps forever, no heartbeat) at the start of step S.
+* ``hang:R:S``          rank R stops (sleeps forever, no heartbeat) at the start of step S;
+* ``kill-in-snapshot:R:S`` rank R SIGKILLs itself in the middle of its memory-tier snapshot of step S:
+                        the snapshot carries an extra 128 MiB tensor (so the copy takes a while, with
+                        the GIL released), and a thread watching the slots' commit words kills the
+                        rank the moment one drops to 0 (the copy has begun; it cannot have ended).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("kill", "kill-in-save", "hang")
+KINDS = ("kill", "kill-in-save", "hang", "kill-in-snapshot")
+#: the extra tensor a ``kill-in-snapshot`` snapshot carries
+SNAPSHOT_PAD = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -79,3 +85,25 @@ class Faults:
                     "final" if os.path.exists(path) else "none")
                 self.log(f"fault: kill rank {f.rank} during async save of step {step} (on disk: {state})")
                 _die(self.marker)
+
+    def before_snapshot(self, step: int, slot_paths: list[str]) -> list:
+        """For ``kill-in-snapshot`` at ``step``: arm the killer and return the extra tensor to copy."""
+        for f in self.faults:
+            if f.step == step and f.kind == "kill-in-snapshot":
+                import threading
+
+                import numpy as np
+
+                fds = [os.open(p, os.O_RDONLY) for p in slot_paths]
+
+                def watch() -> None:
+                    while True:
+                        for fd in fds:
+                            if os.pread(fd, 8, 8) == b"\0" * 8:
+                                self.log(f"fault: kill rank {f.rank} in the middle of its snapshot of step {step}")
+                                _die(self.marker)
+                        time.sleep(0.0005)
+
+                threading.Thread(target=watch, name="fault-kill-in-snapshot", daemon=True).start()
+                return [("fault.pad", np.ones(SNAPSHOT_PAD // 4, np.float32))]
+        return []

@@ -17,17 +17,18 @@ from trainer.topology import Topology
 
 
 def snapshot(flash: FlashWriter, writer: CheckpointWriter, items: list[tuple[str, object]], step: int,
-             data_epoch: int, extra: dict[str, object]) -> float:
-    """Copy this rank's state at ``step`` into its free slot; returns the seconds training waited."""
+             data_epoch: int, extra: dict[str, object], pad: list | None = None) -> float:
+    """Copy this rank's state at ``step`` into its free slot; returns the seconds training waited.
+    ``pad``: extra (name, array) entries (the trainer's fault injection only)."""
     path, epoch, _, append = writer.append_for(step, data_epoch, extra)
-    tensors = [(name, p.asnumpy()) for name, p in items]  # type: ignore[attr-defined]
+    tensors = [(name, p.asnumpy()) for name, p in items] + list(pad or [])  # type: ignore[attr-defined]
     values = []
     for key, value in append.items():
         if hasattr(value, "asnumpy"):
             tensors.append((key, value.asnumpy()))  # MindFormers' global_step is a tensor
         else:
             values.append((key, value))
-    order = [name for name, _ in items] + list(append)
+    order = [name for name, _ in items] + [name for name, _ in pad or []] + list(append)
     return flash.snapshot(step, epoch, os.path.relpath(path, writer.run_dir), tensors, values, order)
 
 

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.flash import snapshot
 
             try:
-                snap_s = snapshot(flash, writer, items(), step, sampler.epoch, sampler.state())
+                pad = faults.before_snapshot(step, flash.paths)
+                snap_s = snapshot(flash, writer, items(), step, sampler.epoch, sampler.state(), pad)
             except MemoryTierUnavailable as exc:  # e.g. /dev/shm filled up since the start
                 _log(rank, f"memory tier off: {exc}")
                 flash = None

@@ -87,8 +87,8 @@ class FlashWriter:
         self.dir = _make_dirs(self.root, self.run_dir, rank)
         self.paths = [os.path.join(self.dir, name) for name in memslot.SLOTS]
         self.maps: list[Any] = [None, None]
-        self.capacity = 0  # bytes of each slot file
-        self.table_room = 0  # bytes reserved for the table
+        self.sizes = [0, 0]  # bytes of each slot file, once mapped
+        self.rooms = [0, 0]  # bytes reserved for each slot's table
         self.committing: threading.Thread | None = None
         self.error: BaseException | None = None
         # numbering continues after a restart: a reader must never see an older seq as newer
@@ -102,41 +102,49 @@ class FlashWriter:
 
     # --- space ----------------------------------------------------------------------------------
 
-    def _reserve(self, table_len: int, payload_len: int) -> None:
+    def _reserve(self, slot: int, table_len: int, payload_len: int) -> None:
+        """Size and map ``slot`` for a snapshot of this shape. Only that slot changes: the other
+        holds the newest snapshot, which a growing state must not destroy. The first time, the
+        room for both slots is checked (the error at job start the operator needs)."""
         import mmap
 
         room = max(memslot.PAGE, -(-table_len * 2 // memslot.PAGE) * memslot.PAGE)  # step numbers grow
         size = memslot.slot_size(room, payload_len)
-        have = sum(os.stat(p).st_blocks * 512 if os.path.exists(p) else 0 for p in self.paths)
+        first = all(m is None for m in self.maps)
+        mine = [slot, 1 - slot] if first else [slot]
+        have = sum(os.stat(self.paths[i]).st_blocks * 512 if os.path.exists(self.paths[i]) else 0 for i in mine)
         vfs = os.statvfs(self.root)
         free = vfs.f_bavail * vfs.f_frsize
-        if 2 * size - have > free:
+        if len(mine) * size - have > free:
             raise MemoryTierUnavailable(
                 f"the memory tier needs {2 * size} bytes for rank {self.rank}'s two slots ({size} each) in "
                 f"{self.root}, and {free} bytes are free there (plus {have} this rank already holds): snapshots are "
                 f"off for this rank, file checkpoints go on; give /dev/shm more room (e.g. docker --shm-size) or "
                 f"set CKPTD_MEMORY_ROOT")
-        self.close_maps()
-        for i, path in enumerate(self.paths):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        if self.maps[slot] is not None:
+            self.maps[slot].close()
+            self.maps[slot] = None
+        path = self.paths[slot]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            st = os.fstat(fd)
+            memslot.check_owner(st, path, os.geteuid())
+            if st.st_size != size:
+                # this slot's snapshot (if any) is the older one, about to be overwritten anyway
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
             try:
-                st = os.fstat(fd)
-                memslot.check_owner(st, path, os.geteuid())
-                if st.st_size != size:
-                    os.ftruncate(fd, 0)  # a slot of another size holds no snapshot this rank could load
-                    os.ftruncate(fd, size)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as exc:
-                    if exc.errno == errno.ENOSPC:
-                        raise MemoryTierUnavailable(f"{path}: no room for {size} bytes in {self.root} "
-                                                    f"(fallocate: {exc.strerror})") from None
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-                self.maps[i] = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        self.capacity, self.table_room = size, room
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise MemoryTierUnavailable(f"{path}: no room for {size} bytes in {self.root} "
+                                                f"(fallocate: {exc.strerror})") from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            self.maps[slot] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.sizes[slot], self.rooms[slot] = size, room
 
     # --- snapshot -------------------------------------------------------------------------------
 
@@ -158,13 +166,13 @@ class FlashWriter:
                               tuple(by_name[n] for n in names), self.encrypted)
         raw = table.encode()
         payload_len = table.payload_len
-        if len(raw) > self.table_room or memslot.slot_size(self.table_room, payload_len) != self.capacity:
-            self._reserve(len(raw), payload_len)
         slot = self._free_slot()
+        if len(raw) > self.rooms[slot] or memslot.slot_size(self.rooms[slot], payload_len) != self.sizes[slot]:
+            self._reserve(slot, len(raw), payload_len)
         if self.persist_every and global_step % self.persist_every == 0:
             self.held = (slot, os.path.join(self.run_dir, file), time.monotonic())
         m = self.maps[slot]
-        off = memslot.payload_offset(self.table_room)
+        off = memslot.payload_offset(self.rooms[slot])
         m[memslot.SEQ_OFFSET:memslot.SEQ_OFFSET + 8] = b"\0" * 8  # uncommitted from here on
         m[:memslot.HEADER.size] = memslot.HEADER.pack(memslot.MAGIC, 0, len(raw), off, payload_len, b"\0" * 16,
                                                       int(global_step))

@@ -47,13 +47,16 @@ class Seen:
     seq: int
     ckpt_id: int | None = None
     digest: str | None = None
+    checked: float = 0.0  # when its digest was last computed (monotonic)
 
 
 class MemoryTier:
     def __init__(self, sessions: sessionmaker[Session], store: PosixStorage, memory_root: str, node: str, *,
-                 persist_every: int = 0, key: bytes | None = None, release_after: float = 3600.0) -> None:
+                 persist_every: int = 0, key: bytes | None = None, release_after: float = 3600.0,
+                 scrub_after: float = 300.0) -> None:
         self.sessions, self.store, self.root, self.node = sessions, store, memory_root, node
         self.persist_every, self.key, self.release_after = persist_every, key, release_after
+        self.scrub_after = scrub_after
         self._strategies: dict[tuple[str, str], object] = {}
         self.seen: dict[str, Seen] = {}
         self._refused: set[tuple[str, int]] = set()
@@ -74,6 +77,7 @@ class MemoryTier:
                 path = memslot.path_of(self.root, loc)
                 header = self._header(path)
                 if header is not None and header.seq and header.digest.hex() == digest:
+                    # the same snapshot by its header: the next scan's scrub hashes it again
                     self.seen[path] = Seen(header.seq, ckpt_id, digest)
                 else:
                     gone += copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, "the slot no longer holds it")
@@ -166,6 +170,8 @@ class MemoryTier:
         seq = header.seq if header is not None else 0
         known = self.seen.get(path)
         if known is not None and known.seq == seq:
+            if known.ckpt_id is not None and time.monotonic() - known.checked > self.scrub_after:
+                self._scrub(key, rank, path, known)
             return 0
         if seq == 0:  # being written: what it held is gone
             if known is not None and known.ckpt_id is not None:
@@ -242,7 +248,7 @@ class MemoryTier:
             ckpt_id = ckpt.id
         if problem:
             log.warning("memory tier: %s: step %s rank %d: %s", path, t.global_step, rank, problem)
-        self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest)
+        self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest, time.monotonic())
         if not problem and held is not None:
             self._persist(t, held, target, snap.seq)
         return 1
@@ -287,6 +293,29 @@ class MemoryTier:
                 return None
         found = stepcheck.slice_problems(rank, shapes, self._strategies[key])
         return "; ".join(found[:3]) if found else None
+
+    def _scrub(self, key: str, rank: int, path: str, known: Seen) -> None:
+        """Hash an idle slot again (a job that crashed left it; a restore will trust it): damage
+        makes its copy ``corrupt`` with the reason, so it is never answered."""
+        known.checked = time.monotonic()
+        try:
+            snap = memslot.open_snapshot(path, uid=os.lstat(os.path.dirname(os.path.dirname(path))).st_uid)
+            if snap is None or snap.seq != known.seq:
+                return  # being overwritten: the next scan catalogues what comes
+            try:
+                self.bytes_hashed += snap.nbytes
+                snap.verify()
+                return
+            finally:
+                snap.close()
+        except FileNotFoundError:
+            return
+        except memslot.SlotError as err:
+            problem = err.message
+        loc = memslot.location(self.node, key, rank, os.path.basename(path))
+        with self.sessions.begin() as s:
+            copies.set_state_at(s, Tier.MEMORY, loc, ShardState.CORRUPT, problem)
+        log.warning("memory tier: %s", problem)
 
     def _digest_problem(self, snap: memslot.Snapshot) -> str | None:
         self.bytes_hashed += snap.nbytes
