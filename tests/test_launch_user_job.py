@@ -99,7 +99,7 @@ def attempt_at(run_dir: Path, rank: int, attempt: int, step: int) -> dict | None
 
 
 class Serve:
-    def __init__(self, base: Path, world_size: str | None = "2") -> None:
+    def __init__(self, base: Path, world_size: str | None = "2", extra_args: tuple[str, ...] = ()) -> None:
         self.root = base / "root"
         self.root.mkdir(parents=True)
         self.url = f"http://127.0.0.1:{free_port()}"
@@ -111,7 +111,7 @@ class Serve:
             e["CKPTD_WORLD_SIZE"] = world_size
         self.log = open(base / "ckptd.log", "wb")  # noqa: SIM115 -- for the server's lifetime
         self.proc = subprocess.Popen([sys.executable, "-m", "ckptd", "serve", "--root", str(self.root), "--port",
-                                      self.url.rsplit(":", 1)[1], "--db", db], cwd=th.REPO, env=e,
+                                      self.url.rsplit(":", 1)[1], "--db", db, *extra_args], cwd=th.REPO, env=e,
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def up(self) -> bool:

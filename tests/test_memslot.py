@@ -164,3 +164,11 @@ def test_a_state_that_grows_never_destroys_the_newest_snapshot(writer):
     snap = memslot.newest(writer.paths)
     assert snap.table.global_step == 3 and snap.verify()
     snap.close()
+
+
+def test_a_scalar_keeps_its_zero_dimensions(writer):
+    writer.snapshot(1, 1, "rank_3/net-1_1.ckpt", [("momentum", np.array(0.9, np.float32))], [])
+    writer.wait()
+    snap = memslot.newest(writer.paths)
+    assert [e.shape for e in snap.table.entries] == [()]
+    snap.close()

@@ -155,7 +155,8 @@ class FlashWriter:
         tensors, then values). ``file``: the shard file this step would be, relative to the run."""
         t0 = time.perf_counter()
         self.wait()
-        arrays = {name: np.ascontiguousarray(a) for name, a in tensors}
+        # not np.ascontiguousarray: it makes a 0-d array (1,), and the file would then say so
+        arrays = {name: a if a.flags.c_contiguous else a.copy(order="C") for name, a in tensors}
         specs = [(n, a.dtype.str, tuple(a.shape), a.nbytes) for n, a in arrays.items()]
         placed = dict(zip(arrays, memslot.layout_of(specs)))
         by_name: dict[str, memslot.Entry] = {

@@ -20,6 +20,12 @@ What it does, per rank:
   finished: ``save_checkpoint(async_save=True)`` returns at once and a thread named
   ``asyn_save_ckpt`` writes ``<name>.tmp``, renames it to ``<name>.ckpt`` and makes it read-only; the
   sidecar is written by a small committer thread after that thread has ended and the file exists;
+* with ``snapshot_every=N`` (or ``$CKPTD_SNAPSHOT_EVERY``), the memory tier: every N steps each rank
+  copies what its ``ModelCheckpoint`` would save at that step (the same parameters, the same append
+  entries, named as that file would be) into its node's shared memory (:mod:`ckptd.integrations.flash`);
+  training waits for the copy alone, the node's ``ckptd serve`` catalogues and persists it. When
+  shared memory is too small, one warning says the bytes needed and free, and the job goes on with
+  its file saves;
 * on resume (``$CKPTD_RESUME_FILE``, ckptd's answer, set by the launcher) :meth:`CkptdCallback.restore`
   loads this rank's shard into the cells (weights, optimizer moments and its ``global_step``, so the
   learning-rate schedule continues), positions the dataset at the step inside its epoch
@@ -148,8 +154,13 @@ class CkptdCallback(Callback):
     """See the module docstring. Arguments default to the launcher's environment variables."""
 
     def __init__(self, heartbeat_dir: str | None = None, ckptd_url: str | None = None, run_name: str | None = None,
-                 report_health: bool | None = None, run_dir: str | None = None) -> None:
+                 report_health: bool | None = None, run_dir: str | None = None, snapshot_every: int | None = None,
+                 memory_root: str | None = None) -> None:
         super().__init__()
+        self.snapshot_every = int(os.environ.get("CKPTD_SNAPSHOT_EVERY", "0")) if snapshot_every is None \
+            else snapshot_every
+        self.memory_root = memory_root
+        self._flash = None
         #: where ModelCheckpoint must write (``<run-dir>/rank_<r>``): checked at train begin when known
         self.run_dir = run_dir or _launcher_run_dir()
         self.attempt = int(os.environ.get("CKPTD_ATTEMPT", "0"))
@@ -196,7 +207,7 @@ class CkptdCallback(Callback):
         mine = [s["path"] for s in answer.get("shards", []) if int(s["rank"]) == self.rank]
         if len(mine) != 1:
             raise RuntimeError(f"{resume_file}: the resume answer has {len(mine)} shards for rank {self.rank}")
-        loaded = ms.load_checkpoint(mine[0])
+        loaded = _load_slot(mine[0]) if answer.get("tier") == "memory" else ms.load_checkpoint(mine[0])
         for cell in cells:
             names = [p.name for p in cell.get_parameters()]  # type: ignore[attr-defined]
             missing = [n for n in names if n not in loaded]
@@ -325,6 +336,8 @@ class CkptdCallback(Callback):
         self._step = int(cb.cur_step_num)
         self._beat(self._step, "sync")
         self._commit_new_saves(cb)
+        if self.snapshot_every and self._step % self.snapshot_every == 0:
+            self._snapshot(cb)
         if self.health.url:
             self._report(cb)
 
@@ -334,6 +347,9 @@ class CkptdCallback(Callback):
         self._commit_new_saves(cb)
         for t in self._committers.values():
             t.join()
+        if self._flash is not None:
+            self._flash.release()  # a clean end: the files are the run's resume point now
+            self._flash = None
         self.health.flush()
         if self.hb is not None:
             self.hb.exited(0, self._step)
@@ -359,6 +375,29 @@ class CkptdCallback(Callback):
             t.start()
             self._committers[latest] = t
 
+    def _snapshot(self, cb) -> None:
+        """The memory tier: what the first ModelCheckpoint would save now, copied into shared memory."""
+        from ckptd.integrations.flash import FlashWriter, MemoryTierUnavailable
+
+        ckpt = next((c for c in cb.list_callback if isinstance(c, ModelCheckpoint)), None)
+        if ckpt is None or self.snapshot_every < 0:
+            return
+        config = ckpt._config  # noqa: SLF001 -- MindSpore keeps the CheckpointConfig there, no accessor
+        try:
+            if self._flash is None:
+                run_dir = self.run_dir or os.path.dirname(os.path.abspath(ckpt._directory))  # noqa: SLF001
+                self._flash = FlashWriter(run_dir, self.rank, int(cb.device_number or 1),
+                                          encrypted=config.enc_key is not None, root=self.memory_root)
+            network = config.saved_network if config.saved_network is not None else cb.train_network
+            tensors, values, order = _save_entries(network, ckpt, int(cb.cur_epoch_num), self._step)
+            in_epoch = (self._step - 1) % int(cb.batch_num) + 1
+            name = f"{ckpt._prefix}-{int(cb.cur_epoch_num)}_{in_epoch}.{config.format}"  # noqa: SLF001 -- as it names
+            file = os.path.relpath(os.path.join(ckpt._directory, name), self._flash.run_dir)  # noqa: SLF001
+            self._flash.snapshot(self._step, int(cb.cur_epoch_num), file, tensors, values, order)
+        except MemoryTierUnavailable as exc:
+            log.warning("CkptdCallback: %s", exc)
+            self.snapshot_every = -1  # said once; the file saves go on
+
     def _report(self, cb) -> None:
         out = cb.net_outputs
         items = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -369,3 +408,52 @@ class CkptdCallback(Callback):
         grad_norm = _scalar(items[4]) if len(items) > 4 else None  # MindFormers: loss, overflow, scale, lr, norm
         self.health.report(self._step, loss, grad_norm, overflow)
 
+
+
+def _save_entries(network: object, ckpt: ModelCheckpoint, epoch: int, step: int) -> tuple[list, list, list]:
+    """(tensors, values, names in file order) that ``ModelCheckpoint`` would save at this step:
+    the network's parameters as ``save_checkpoint`` lists them, then its append entries."""
+    tensors, seen = [], set()
+    for _, param in network.parameters_and_names():  # type: ignore[attr-defined]
+        if param.name in seen or param.param_info.is_pipeline_shared_param:
+            continue
+        seen.add(param.name)
+        tensors.append((param.name, param.asnumpy()))
+    append = dict(getattr(ckpt, "_append_dict", None) or {})
+    if "epoch_num" in append:  # ModelCheckpoint._append_dict_content, at the time of its save
+        append["epoch_num"] = getattr(ckpt, "_append_epoch_num", 0) + epoch
+    if "step_num" in append:
+        append["step_num"] = getattr(ckpt, "_append_step_num", 0) + step
+    values = []
+    for key, value in append.items():
+        if hasattr(value, "asnumpy"):
+            tensors.append((key, value.asnumpy()))
+        else:
+            values.append((key, value))
+    return tensors, values, [n for n, _ in tensors[:len(seen)]] + list(append)
+
+
+def _load_slot(path: str) -> dict:
+    """A memory-tier slot as ``mindspore.load_checkpoint`` would give the file: name -> Parameter
+    (the digest and the commit word checked before anything is handed over)."""
+    import numpy as np
+
+    from ckptd.storage import memslot
+
+    snap = memslot.open_snapshot(path, uid=os.geteuid())
+    if snap is None or not snap.verify():
+        raise RuntimeError(f"{path}: holds no whole snapshot any more (overwritten?): resume from the files")
+    try:
+        out: dict = {}
+        for e, view in snap.views():
+            out[e.name] = ms.Parameter(ms.Tensor.from_numpy(np.frombuffer(view, dtype=e.dtype).reshape(e.shape).copy()),
+                                       name=e.name)
+            view.release()
+        for e in snap.table.entries:
+            if not e.is_tensor:
+                out[e.name] = ms.Parameter(ms.Tensor(e.value), name=e.name)
+        if not snap.still_committed():
+            raise RuntimeError(f"{path}: overwritten while it was loaded: resume from the files")
+        return out
+    finally:
+        snap.close()

@@ -145,12 +145,15 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
     if not spec.ckptd_url:
         return ResumeAnswer(None, None, "no oracle configured", catalogued=False)
     url = spec.ckptd_url
+    # a job whose own code loads the checkpoint (--resume-args / --resume-env: MindFormers) reads
+    # files; restore() also loads a rank's snapshot from its node's memory
+    tiers = "file" if spec.resume_args or spec.resume_env else None
 
     def once(timeout: float) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
         # with the same back-off as the question (ConversionUnavailable), within --oracle-wait
         answer = ask_ckptd_once(url, spec.run_name, spec.world, spec.settle_timeout, timeout, log,
-                                attempt, spec.exclude_unreachable, spec.split)
+                                attempt, spec.exclude_unreachable, spec.split, tiers)
         unreachable = (answer.body or {}).get("unreachable_nodes")
         if unreachable:  # the job would load shards from a node whose daemon is silent: say so
             log(attempt=attempt, event="warning", step=answer.step, unreachable_nodes=",".join(unreachable),
@@ -169,7 +172,8 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
 
         def reask(step: int) -> ResumeAnswer:
             return ask_http(url, spec.run_name, spec.world, timeout=timeout, world_size=spec.world,
-                            exclude_unreachable=spec.exclude_unreachable, split=spec.split, max_step=step)
+                            exclude_unreachable=spec.exclude_unreachable, split=spec.split, max_step=step,
+                            tiers=tiers)
 
         return elastic.resume_converted(url, spec.run_name, spec.split, None, answer, spec.convert_timeout,
                                         lambda **f: log(attempt=attempt, **f), reask)

@@ -128,12 +128,13 @@ def _skipped_text(skipped: list) -> str:
 
 def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: int | None = None,
              exclude_unreachable: bool = False, split: ParallelSplit | None = None, strategy_hash: str | None = None,
-             max_step: int | None = None) -> ResumeAnswer:
+             max_step: int | None = None, tiers: str | None = None) -> ResumeAnswer:
     """``world_size``: name the job's world size in the question (ckptd then says whether a conversion
     is needed and where a ready converted copy is); ``split`` (the job's tp/dp/pp) or ``strategy_hash``
     (of the strategy it will write): the same for exactly that layout. ``exclude_unreachable``: ask
     for the newest step none of whose shards is on a node whose daemon is silent (after a node
-    loss). ``max_step``: the newest at or before that step.
+    loss). ``max_step``: the newest at or before that step. ``tiers``: what the job can load from
+    (``file`` for a job whose own code loads files; default ckptd's: files and node memory).
 
     Raises :class:`OracleUnavailable` when ckptd could not be asked (see :func:`is_transient`), and
     :class:`OracleError` for an answer that is not one (a malformed body, 401/403, another 4xx)."""
@@ -146,6 +147,8 @@ def ask_http(url: str, run: str, world: int, timeout: float = 10.0, world_size: 
         params["strategy_hash"] = strategy_hash
     if max_step is not None:
         params["max_step"] = str(int(max_step))
+    if tiers is not None:
+        params["tiers"] = tiers
     query = "?" + urllib.parse.urlencode(params) if params else ""
     req = urllib.request.Request(f"{url.rstrip('/')}/v1/runs/{run}/resume{query}", method="GET")
     token = os.environ.get("CKPTD_TOKEN")

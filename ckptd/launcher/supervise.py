@@ -295,7 +295,8 @@ def ask_patiently(once: Callable[[float], T], wait: float, backoff: float, backo
 
 
 def ask_ckptd_once(url: str, run: str, world: int, settle_timeout: float, timeout: float, log: Log,
-                   attempt: int, exclude_unreachable: bool = False, split: ParallelSplit | None = None) -> ResumeAnswer:
+                   attempt: int, exclude_unreachable: bool = False, split: ParallelSplit | None = None,
+                   tiers: str | None = None) -> ResumeAnswer:
     """One round with ckptd: ready (first rescan done), settle, ask -- naming the job's world size
     (and its split, when declared), so ckptd says whether the step must be re-sharded for it and
     where a ready copy is, if it has one."""
@@ -303,7 +304,7 @@ def ask_ckptd_once(url: str, run: str, world: int, settle_timeout: float, timeou
     if settle_timeout > 0:
         settle(url, run, settle_timeout, log, attempt)
     return ask_http(url, run, world, timeout=timeout, world_size=world, exclude_unreachable=exclude_unreachable,
-                    split=split)
+                    split=split, tiers=tiers)
 
 
 def settle(url: str, run: str, timeout: float, log: Log, attempt: int) -> None:
