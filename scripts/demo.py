@@ -2,10 +2,12 @@
 
 1. `ckptd serve` starts (embedded SQLite catalog, loopback) watching ./demo-out/checkpoints.
 2. The launcher starts a real 4-rank job under msrun (tensor parallel 2 x data parallel 2, a small
-   Llama on CPU) that checkpoints every few steps with async per-rank saves. Fault injection
-   SIGKILLs rank 2 a few steps after a checkpoint.
+   Llama on CPU) that checkpoints every few steps with async per-rank saves, and copies its state
+   into the node's shared memory after every step (the memory tier: flash checkpoints). Fault
+   injection SIGKILLs rank 2 two steps after a file save.
 3. The launcher notices, stops the job, asks ckptd's resume oracle, and restarts from the step ckptd
-   says is whole and verified. The loss curve continues -- the recomputed steps bit for bit.
+   says is whole and verified: the step before the kill, from memory, not the file save. The loss
+   curve continues bit for bit.
 4. What ckptd knows: `ckptd ls`, the resume answer; then the file tools on one shard, and a flipped
    bit caught by `ckptd verify` (and by the daemon, which moves the resume point back).
 5. Elastic restart: the node of ranks 2-3 is gone for good. The launcher relaunches the job on the 2
@@ -238,9 +240,11 @@ def main() -> int:
                f"at step {FAULT_STEP}")
         cmd = [sys.executable, "-m", "trainer.launch", "--run-dir", str(RUN_DIR), "--tp", str(TP), "--dp", str(DP),
                "--ckptd-url", url, "--backoff", "0.5", "--fault", f"kill:{FAULT_RANK}:{FAULT_STEP}",
-               "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--micro-batch", str(MICRO_BATCH), *MODEL]
+               "--", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--micro-batch", str(MICRO_BATCH),
+               "--snapshot-every", "1", *MODEL]
         say(f"$ python -m trainer.launch --run-dir {RUN_DIR} --tp {TP} --dp {DP} --ckptd-url {url} \\\n"
-            f"      --fault kill:{FAULT_RANK}:{FAULT_STEP} -- --steps {STEPS} --save-every {SAVE_EVERY} ...")
+            f"      --fault kill:{FAULT_RANK}:{FAULT_STEP} -- --steps {STEPS} --save-every {SAVE_EVERY} "
+            f"--snapshot-every 1 ...")
         say(f"{DIM}  (launch: lines are the launcher's decisions; step lines are rank 0's loss as it trains){OFF}")
         curve = LossCurve(RUN_DIR / "metrics.jsonl")
         rc, decisions = run_launcher(cmd, env, curve)
@@ -249,8 +253,16 @@ def main() -> int:
         same = sum(ok for _, ok, _ in curve.recomputed)
         say(f"\n  loss {curve.first_loss:.3f} -> {curve.last_loss:.3f} over {STEPS} steps; "
             f"{len(curve.recomputed)} steps trained again after the resume, {same} of them bit-for-bit identical")
-        if not curve.recomputed or same != len(curve.recomputed):
+        if same != len(curve.recomputed):
             return fail("the steps trained again after the resume should have had bit-for-bit the same loss")
+        first_answer = json.loads((RUN_DIR / "launcher" / "resume_1.json").read_text())
+        last_save = (FAULT_STEP - 1) // SAVE_EVERY * SAVE_EVERY
+        if first_answer.get("tier") != "memory" or first_answer["step"] <= last_save:
+            return fail(f"the restart should have resumed from memory after step {last_save}'s file save; "
+                        f"ckptd answered step {first_answer['step']} from {first_answer.get('tier')}")
+        say(f"  {GREEN}resumed from memory at step {first_answer['step']}{OFF}: rank {FAULT_RANK} died at the start "
+            f"of step {FAULT_STEP}, so {FAULT_STEP - 1 - first_answer['step']} step(s) of work were lost -- from the "
+            f"last file save (step {last_save}) it would have been {FAULT_STEP - 1 - last_save}")
 
         banner("3. What ckptd knows")
         failed = next((d for d in decisions if "event=rank_failed" in d), "")
@@ -261,7 +273,8 @@ def main() -> int:
         if answer_file.exists():
             answer = json.loads(answer_file.read_text())
             say(f"  the resume answer it got (GET /v1/runs/{RUN}/resume, saved as {answer_file}):")
-            head = {k: answer.get(k) for k in ("run", "step", "epoch", "global_step", "world_size", "strategy_file")}
+            head = {k: answer.get(k) for k in ("run", "step", "tier", "epoch", "global_step", "world_size",
+                                                "strategy_file")}
             say(f"    {json.dumps(head)[:-1]},")
             say('     "shards": [')
             for s in answer["shards"]:
@@ -269,8 +282,10 @@ def main() -> int:
             say(f'     ], "skipped": {json.dumps(answer["skipped"])}, "conversion": {json.dumps(answer["conversion"])}}}')
             why = "; ".join(f"step {x['step']}: {x['reason']}" for x in answer["skipped"]) or \
                 "nothing newer was saved before the kill"
-            say(f"  why step {answer['step']}: the newest save whose {len(answer['shards'])} shards are all verified "
-                f"(structure, CRC, the trainer's size+digest sidecar, step-level checks); skipped: {why}")
+            where = ("snapshots, one per rank in its node's shared memory, are all committed and verified "
+                     "(digest, one global step, shapes against the strategy)") if answer.get("tier") == "memory" else \
+                "shards are all verified (structure, CRC, the trainer's size+digest sidecar, step-level checks)"
+            say(f"  why step {answer['step']}: the newest step whose {len(answer['shards'])} {where}; skipped: {why}")
         wait_until(lambda: get(f"{url}/v1/runs/{RUN}/resume").get("step") == STEPS, "ckptd to verify the last step")
         ckptd("ls", env=env)
         ckptd("ls", RUN, env=env)

@@ -245,10 +245,13 @@ class FlashWriter:
 
 
 def load_into(path: str, targets: dict[str, np.ndarray]) -> memslot.Table:
-    """Copy the committed snapshot in slot ``path`` into ``targets`` (name -> writable array, e.g. a
-    MindSpore parameter's ``asnumpy()`` view). Every name and shape, then the digest, are checked
-    before anything is copied (a wrong or damaged snapshot must not leave the model half
-    overwritten); the commit word is checked again after the copy."""
+    """Copy the committed snapshot in slot ``path`` into ``targets`` (name -> writable C-contiguous
+    array, e.g. a MindSpore parameter's ``asnumpy()`` view on the CPU). Every name, shape and dtype
+    is checked before a byte is copied. The digest is computed in the same pass as the copy (each
+    chunk hashed, then copied while it is in the cache: one read of the slot): a damaged snapshot
+    or one overwritten meanwhile raises :class:`~ckptd.storage.memslot.SlotError` *after* the
+    parameters were written, so a caller must not train on after that error (restore() raises it
+    out of the job, which then restarts from what the oracle answers next)."""
     snap = memslot.open_snapshot(path, uid=os.geteuid())
     if snap is None:
         raise memslot.SlotError(f"{path}: holds no committed snapshot", hint="resume from the files instead")
@@ -260,13 +263,16 @@ def load_into(path: str, targets: dict[str, np.ndarray]) -> memslot.Table:
         if missing or wrong:
             raise memslot.SlotError(f"{path}: the snapshot does not match this model: missing {missing[:3]}, "
                                     f"other shape or dtype {wrong[:3]}")
-        if not snap.verify():
-            raise memslot.SlotError(f"{path}: overwritten while it was read", hint="resume from the files instead")
+        hasher = snap.hasher()
         for e, v in snap.views():
-            if e.name in targets:
-                np.copyto(targets[e.name], np.frombuffer(v, dtype=e.dtype).reshape(e.shape), casting="no")
+            dst = targets[e.name].reshape(-1).view(np.uint8) if e.name in targets else None
+            for pos in range(0, e.nbytes, HASH_CHUNK):
+                chunk = v[pos:pos + HASH_CHUNK]
+                hasher.update(chunk)
+                if dst is not None:
+                    dst[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
             v.release()
-        if not snap.still_committed():
+        if not snap.check(hasher.digest()):  # raises on a damaged snapshot
             raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
         return snap.table
     finally:
