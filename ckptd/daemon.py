@@ -107,8 +107,10 @@ class Daemon:
         v = self.verifier
         with self._conversion_lock:
             converted = (self.conversion_bytes, self.conversion_seconds)
+        m = self.memory
+        memory = (m.snapshots, m.persisted, m.bytes_hashed) if m is not None else (0, 0, 0)
         return Tallies(v.verified_count, v.failed_count, v.verified_bytes, v.verify_seconds, self.watcher.rescans,
-                       self.watcher.events_lost, *converted)
+                       self.watcher.events_lost, *converted, *memory)
 
     def start(self) -> None:
         log.info("watching %s as node %s (catalog %s)", self.settings.root, self.settings.node_name,

@@ -84,6 +84,11 @@ def test_a_killed_rank_resumes_from_memory_and_ends_bitwise_equal(ms, reference,
     # byte for byte what mindspore.save_checkpoint wrote for the same step in the uninterrupted run
     for step in (5, 10):
         assert read(shard(run, 0, step)) == read(shard(reference, 0, step))
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+    assert metrics["ckptd_memory_persisted_total"] == 2 and metrics["ckptd_memory_snapshots_total"] >= 3
+    assert metrics["ckptd_memory_bytes_read_total"] > 0
 
     answer = resume_of(proc, client, log, "run1")
     assert answer["step"] == newest and answer["tier"] == "memory", answer  # RPO <= 1 step
@@ -182,3 +187,23 @@ def test_too_little_shared_memory_is_said_at_start_and_training_goes_on_with_fil
     assert re.search(r"needs \d+ bytes for rank 0's two slots \(\d+ each\) in .*, and \d+ bytes are free", line), line
     assert "file checkpoints go on" in line
     assert os.path.exists(shard(run, 0, 3)) and os.path.exists(shard(run, 0, 6))
+
+
+def test_the_daemon_releases_the_memory_of_a_run_no_job_writes_any_more(tmp_path):
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    root.mkdir()
+    log = tmp_path / "serve.log"
+    proc, client = serve_process(root, migrated_sqlite(tmp_path / "c.db"), log, "--persist-every", str(PERSIST),
+                                 "--memory-root", str(shm), CKPTD_MEMORY_RELEASE_AFTER="3")
+    try:
+        wait_for(lambda: _up(client), timeout=60, what="serve up")
+        run = _killed_run(root, shm)  # a crashed job nobody restarts
+        region = shm / memslot.run_key(str(run))
+        wait_for(lambda: not region.exists(), timeout=60, what="the region released")
+        wait_for(lambda: not any("memory" in (x.get("tiers") or []) for x in _steps(client).values()),
+                 timeout=30, what="its copies gone")
+        answer = resume_of(proc, client, log, "run1")
+        assert answer["tier"] == "file" and answer["step"] == 10, answer  # the last persisted step
+        assert 11 not in _steps(client)  # a step only memory held went with it
+    finally:
+        stop_process(proc)

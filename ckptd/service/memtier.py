@@ -61,6 +61,7 @@ class MemoryTier:
         self.seen: dict[str, Seen] = {}
         self._refused: set[tuple[str, int]] = set()
         self.active: dict[str, float] = {}  # run key -> when a commit word there last moved (monotonic)
+        self.snapshots = 0  # catalogued (read at /metrics scrapes from another thread: ints, no lock needed)
         self.persisted = 0
         self.bytes_hashed = 0
 
@@ -249,6 +250,7 @@ class MemoryTier:
         if problem:
             log.warning("memory tier: %s: step %s rank %d: %s", path, t.global_step, rank, problem)
         self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest, time.monotonic())
+        self.snapshots += 1
         if not problem and held is not None:
             self._persist(t, held, target, snap.seq)
         return 1

@@ -58,6 +58,9 @@ class Tallies:
     file_events_lost: int
     conversion_bytes: int
     conversion_seconds: float
+    memory_snapshots: int = 0  # memory tier: snapshots catalogued
+    memory_persisted: int = 0  # memory tier: snapshots written as files
+    memory_bytes_hashed: int = 0  # memory tier: slot bytes read (each snapshot once, plus scrubs)
 
 
 def _rate(nbytes: int, seconds: float) -> float:
@@ -97,6 +100,12 @@ class TallyCollector:
                                  "(0 before the first).", labels=["node"])
         rate.add_metric([self._node], _rate(t.conversion_bytes, t.conversion_seconds))
         yield rate
+        yield CounterMetricFamily("ckptd_memory_snapshots", "Memory tier: snapshots this node catalogued since start.",
+                                  t.memory_snapshots)
+        yield CounterMetricFamily("ckptd_memory_persisted", "Memory tier: snapshots this node wrote as checkpoint "
+                                  "files since start.", t.memory_persisted)
+        yield CounterMetricFamily("ckptd_memory_bytes_read", "Memory tier: slot bytes this node read (hashing, "
+                                  "persisting, scrubbing) since start.", t.memory_bytes_hashed)
         yield GaugeMetricFamily("ckptd_up_seconds", "Seconds since this daemon started.",
                                 round(time.monotonic() - self._started, 3))
 
