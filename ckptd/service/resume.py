@@ -126,6 +126,8 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         mem = {}  # Checkpoint 2.0 runs resume through MindFormers' own loader: files only
     if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
         mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
+    obj = resume_tiers.object_steps(s, run.id, tiers, wanted_world) if not runlayout.by_name(run.layout).iterations else {}
+    mem = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
     steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), mem)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
@@ -175,6 +177,10 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
+    if ckpt.id in obj and ckpt.state != StepState.VERIFIED.value and mem[ckpt.id] is obj[ckpt.id]:
+        answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, ckpt.global_step if ckpt.global_step is not None else ckpt.step,
+                                                 ckpt.incarnation))
+        return answer
     if ckpt.id in mem:
         # the restart loads from RAM; a step whose files are whole too keeps them as the fallback
         answer.update(tier=Tier.MEMORY.value, shards=resume_tiers.memory_shards(mem[ckpt.id], opts.memory_root or ""),
