@@ -127,11 +127,11 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
         mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
     obj = resume_tiers.object_steps(s, run.id, tiers, wanted_world) if not runlayout.by_name(run.layout).iterations else {}
-    mem = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
-    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), mem)
+    other = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
+    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), other)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), mem)
+        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), other)
         decision = policy.decide(steps, health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
@@ -177,7 +177,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
-    if ckpt.id in obj and ckpt.state != StepState.VERIFIED.value and mem[ckpt.id] is obj[ckpt.id]:
+    if ckpt.id in obj and ckpt.state != StepState.VERIFIED.value and ckpt.id not in mem:
         answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, ckpt.global_step if ckpt.global_step is not None else ckpt.step,
                                                  ckpt.incarnation))
         return answer
