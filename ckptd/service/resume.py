@@ -170,6 +170,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "reason": ckpt.reason,  # what the step's checks could not prove ("layout unchecked: …"), else null
         "tier": Tier.FILE.value,
         "files_whole": None,  # memory answers say whether the files are whole too
+        "manifest": None,  # object answers: the step's manifest (s3:// URI)
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
