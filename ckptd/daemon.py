@@ -61,6 +61,18 @@ def ingestor(settings: Settings, sessions: sessionmaker, nodes: NodeView, submit
                     world_size=settings.world_size, index_cache=index_cache)
 
 
+def object_tier(settings: Settings, sessions: sessionmaker):  # noqa: ANN201 - ckptd.service.objtier.ObjectTier
+    """The object tier of this configuration (its client library loads on first use)."""
+    from ckptd.service.objtier import ObjectTier
+    from ckptd.storage.s3 import ObjectStore
+
+    policy = None
+    if settings.object_keep_last or settings.object_keep_every:
+        policy = RetentionPolicy(keep_last=settings.object_keep_last, keep_every=settings.object_keep_every)
+    return ObjectTier(sessions, settings.storage, ObjectStore(settings.object_store), settings.node_name,
+                      upload_every=settings.upload_every, scrub_interval=settings.object_scrub_interval, policy=policy)
+
+
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         if not os.path.isdir(settings.root):
@@ -81,6 +93,7 @@ class Daemon:
                                  index_cache)
         self._stopping = threading.Event()
         self.memory = None  # the memory tier's owner, once started with memory_root set
+        self.objects = None  # the object tier's owner, once started with object_store set
         # conversions run as API jobs on worker threads; /metrics reports their throughput
         self._conversion_lock = threading.Lock()
         self.conversion_bytes = 0
@@ -138,6 +151,9 @@ class Daemon:
                                      scrub_after=self.settings.memory_scrub_after)
             self.memory.reconcile()
             threading.Thread(target=self._memory_loop, name="ckptd-memory", daemon=True).start()
+        if self.settings.object_store is not None:
+            self.objects = object_tier(self.settings, self.sessions)
+            threading.Thread(target=self._object_loop, name="ckptd-object", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)
             self._gc_thread.start()
@@ -181,6 +197,17 @@ class Daemon:
                 self.memory.scan()
             except Exception:
                 log.exception("memory tier scan failed; will retry")
+
+    def _object_loop(self) -> None:
+        """The object tier of this node: uploads, commits, scrub, retention (ckptd.service.objtier);
+        its failures back off here and never reach the file tier."""
+        wait = 0.0
+        while not self._stopping.wait(wait):
+            try:
+                wait = self.objects.run_once()
+            except Exception:
+                log.exception("object tier pass failed; will retry")
+                wait = 30.0
 
     def _gc_loop(self) -> None:
         policy = RetentionPolicy(keep_last=self.settings.gc_keep_last or None, keep_every=self.settings.gc_keep_every)

@@ -120,6 +120,18 @@ class Settings(BaseSettings):
                                                                        "hashed again (damage -> corrupt) (s)")
     memory_release_after: float = Field(default=3600.0, gt=0, description="memory tier: a run's slots unchanged this "
                                                                          "long (no live job) are released (s)")
+    object_store: str | None = Field(
+        default=None, description="the object tier: s3://BUCKET/PREFIX (endpoint, region and credentials from "
+                                  "AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the shared "
+                                  "credentials file; never in this file); null: off",
+    )
+    upload_every: int = Field(default=1, ge=1, description="object tier: upload every N-th verified step (global step)")
+    object_scrub_interval: float = Field(default=0.0, ge=0, description="object tier: read back every object at "
+                                                                       "least this often (s); 0 = off")
+    object_keep_last: int | None = Field(default=None, ge=1, description="object tier retention: keep the newest N "
+                                                                        "steps whole there (null with object_keep_every "
+                                                                        "null: keep all)")
+    object_keep_every: int | None = Field(default=None, ge=1, description="object tier retention: keep every N-th step")
     scrub_interval: float = Field(
         default=0.0, ge=0,
         description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",
@@ -132,6 +144,15 @@ class Settings(BaseSettings):
             problem = token_problem(token)
             if problem:  # never the token itself in the message: it may be a real one with a typo
                 raise ValueError(f"{problem}: every key of tokens must be a usable bearer token")
+        return v
+
+    @field_validator("object_store", mode="after")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            from ckptd.storage.s3 import parse_url
+
+            return str(parse_url(v))  # a clear error at start, not at the first upload
         return v
 
     @field_validator("root", mode="after")

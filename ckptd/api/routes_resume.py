@@ -59,10 +59,11 @@ async def get_resume(
                     "it, to which strategy hash (derived from the strategy the step was saved with), and the ready "
                     "copy of exactly that layout"),
     tiers: str = Query(
-        default="file,memory", max_length=20, pattern=r"^(file|memory)(,(file|memory))?$",
+        default="file,memory,object", max_length=20, pattern=r"^(file|memory|object)(,(file|memory|object)){0,2}$",
         description="the tiers the asker can load from: with memory, a step whole in the nodes' shared memory is "
                     "answered from there (tier: memory, each rank's slot); file only for a job that loads files "
-                    "(MindFormers' own resume)"),
+                    "(MindFormers' own resume); with object, a step whose files are gone but whose objects are whole "
+                    "is answered tier: object (the launcher fetches it first)"),
 ) -> Response:
     """The latest restorable step: every shard verified, not marked bad, training healthy."""
     settings = request.app.state.settings

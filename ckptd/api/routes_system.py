@@ -36,7 +36,9 @@ def healthz(request: Request, response: Response) -> dict[str, Any]:
     status = "catalog_unavailable" if catalog is not None else "stalled" if stalled else "ok"
     return {"status": status, "catalog": catalog or "ok", "first_rescan_done": watcher.ready.is_set(),
             "rescans": watcher.rescans, "file_events": watcher.backend, "file_events_lost": watcher.events_lost,
-            "stalled": stalled}
+            "stalled": stalled,
+            # the object tier's trouble is reported, not fatal: the file tier keeps serving (status stays ok)
+            "object_tier": daemon.objects.status() if daemon.objects is not None else None}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses=text_route_responses(401, 403, 422))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Literal, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -52,6 +52,14 @@ class MemorySlotRef(ShardRef):
 
     location: str = Field(description="memory://<node>/<run key>/rank_<r>/slot_<k>")
     tier: str = Field(description="memory")
+
+
+class ObjectRef(ShardRef):
+    """A rank's object on the object tier: ``path`` is where its file belongs under the run's
+    directory (``ckptd fetch`` / the launcher download it there, checked against the manifest)."""
+
+    location: str = Field(description="s3://<bucket>/<prefix>/<run>/<step>/<run-relative path>")
+    tier: Literal["object"] = Field(description="object")
 
 
 class TrackerInfo(BaseModel):
@@ -106,11 +114,13 @@ class ResumeAnswer(BaseModel):
     strategy_hash: str | None
     reason: str | None = Field(default=None, description="what the chosen step's checks could not prove although its "
                                                          "files verified (\"layout unchecked: <why>\"); null normally")
-    tier: str = Field(default="file", description="where the answer is loaded from: file (the shard files) or memory "
-                                                  "(each rank's slot in its node's shared memory: restore() loads it)")
+    tier: str = Field(default="file", description="where the answer is loaded from: file (the shard files), memory "
+                                                  "(each rank's slot in its node's shared memory: restore() loads it) "
+                                                  "or object (the files are gone; fetch them from the object tier)")
     files_whole: bool | None = Field(default=None, description="memory answers: whether the step's files are whole "
                                                                "too (a fallback if a slot is lost)")
-    shards: list[MemorySlotRef | ShardRef | SubsetShardRef | IterationFileRef] = Field(
+    manifest: str | None = Field(default=None, description="object answers: the step's manifest (s3:// URI)")
+    shards: list[ObjectRef | MemorySlotRef | ShardRef | SubsetShardRef | IterationFileRef] = Field(
         description="what each rank loads: one verified shard per rank, or its memory slot")
     unreachable_nodes: list[str] = Field(description="nodes holding shards of this step whose daemon is silent: their "
                                                      "files were verified but cannot be seen now (exclude_unreachable=true "
@@ -319,6 +329,17 @@ class SettledOut(_Out):
     unjudged: list[Unjudged] = Field(description="what the catalog holds without a verdict, per node")
 
 
+class ObjectTierProblem(_Out):
+    kind: str = Field(description="credentials, bucket, unreachable or other")
+    error: str = Field(description="what is wrong, in words (never a secret)")
+    store: str = Field(description="s3://BUCKET/PREFIX")
+
+
+class ObjectTierStatus(_Out):
+    store: str
+    problem: ObjectTierProblem | None = Field(default=None, description="null while the tier works")
+
+
 class HealthzOut(_Out):
     status: str = Field(description="ok when the catalog takes writes and the workers make progress; "
                                     "catalog_unavailable (HTTP 503) when the catalog is read-only, gone, locked or "
@@ -327,6 +348,7 @@ class HealthzOut(_Out):
     catalog: str = Field(default="ok", description="ok, or why the catalog cannot take writes (in words)")
     stalled: dict[str, float] = Field(default_factory=dict, description="stuck threads: name -> seconds busy with one "
                                                                         "unit of work (past worker_stall_seconds)")
+    object_tier: ObjectTierStatus | None = Field(default=None, description="the object tier (null: not configured)")
 
 
 class ConversionRequest(BaseModel):

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ckptd import __version__
-from ckptd.cli import catalog_cmds, convert_cmd, files, launch_cmd, service
+from ckptd.cli import catalog_cmds, convert_cmd, fetch_cmd, files, launch_cmd, service
 from ckptd.errors import CkptdError
 
 if TYPE_CHECKING:  # pydantic is imported only by the commands that read settings: --help stays fast
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     catalog_cmds.register(sub)
     convert_cmd.register(sub)
     launch_cmd.register(sub)
+    fetch_cmd.register(sub)
     return parser
 
 

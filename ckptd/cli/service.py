@@ -34,6 +34,8 @@ def add_daemon_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-workers", type=int, metavar="N")
     p.add_argument("--memory-root", metavar="DIR", help="memory tier: where jobs' snapshots live (default /dev/shm/ckptd)")
     p.add_argument("--persist-every", type=int, metavar="N", help="memory tier: persist every N-th step as a file")
+    p.add_argument("--object-store", metavar="s3://BUCKET/PREFIX",
+                   help="object tier: copy verified steps there (credentials from the AWS_* environment)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -42,7 +44,7 @@ def settings_from(args: argparse.Namespace, **extra: object) -> Settings:
     mapping = {
         "root": "root", "db": "db", "key_file": "key_file", "world_size": "world_size",
         "require_encryption": "require_encryption", "require_crc": "require_crc", "verify_workers": "verify_workers",
-        "memory_root": "memory_root", "persist_every": "persist_every",
+        "memory_root": "memory_root", "persist_every": "persist_every", "object_store": "object_store",
     }
     from ckptd.settings import Settings
 

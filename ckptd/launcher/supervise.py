@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ckptd import procs
+from ckptd.errors import CkptdError
+from ckptd.launcher.objfetch import fetch_answer
 from ckptd.launcher.freshstart import FreshStart
 from ckptd.launcher.heartbeat import exit_path, heartbeat_path
 from ckptd.launcher.oracle import (
@@ -347,6 +349,12 @@ def supervise(run_dir: str, world: int, log: Log, ask: Callable[[int], ResumeAns
             if refused := fresh_start.refusal(run_dir, world, answer):
                 log(attempt=attempt, event="fresh_start_refused", reason=refused)
                 return 2
+            if answer.body is not None and answer.body.get("tier") == "object":
+                try:  # the files are gone: bring them back before the job looks for them
+                    fetch_answer(answer.body, run_dir, log, attempt)
+                except CkptdError as err:
+                    log(attempt=attempt, event="fetch_failed", reason=str(err))
+                    return 2
             if answer.step is not None:
                 resume_file = os.path.join(run_dir, "launcher", f"resume_{attempt}.json")
                 os.makedirs(os.path.dirname(resume_file), exist_ok=True)

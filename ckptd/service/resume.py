@@ -126,10 +126,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         mem = {}  # Checkpoint 2.0 runs resume through MindFormers' own loader: files only
     if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
         mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
-    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), mem)
+    obj = resume_tiers.object_steps(s, run.id, tiers, wanted_world) if not runlayout.by_name(run.layout).iterations else {}
+    other = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
+    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), other)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), mem)
+        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), other)
         decision = policy.decide(steps, health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
@@ -168,6 +170,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "reason": ckpt.reason,  # what the step's checks could not prove ("layout unchecked: …"), else null
         "tier": Tier.FILE.value,
         "files_whole": None,  # memory answers say whether the files are whole too
+        "manifest": None,  # object answers: the step's manifest (s3:// URI)
         "shards": load_entries(dict(shards), ckpt.expected_ranks, ckpt.load_plan, node_of),
         "unreachable_nodes": sorted({n for n in node_of.values() if n in dead}),
         "skipped": skipped,
@@ -175,6 +178,10 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
+    if ckpt.id in obj and ckpt.state != StepState.VERIFIED.value and ckpt.id not in mem:
+        answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, ckpt.global_step if ckpt.global_step is not None else ckpt.step,
+                                                 ckpt.incarnation))
+        return answer
     if ckpt.id in mem:
         # the restart loads from RAM; a step whose files are whole too keeps them as the fallback
         answer.update(tier=Tier.MEMORY.value, shards=resume_tiers.memory_shards(mem[ckpt.id], opts.memory_root or ""),

@@ -8,10 +8,17 @@ to files) and answers ``tier: memory`` with each rank's slot when the chosen ste
 memory: the restart loads from RAM. Memory answers only a job of the same world size (an elastic
 restart goes through files and conversion) and only when the asker can load a slot
 (``tiers`` on the resume route; MindFormers' own resume reads files).
+
+The object tier answers last: a step whose files are gone (retention, a wiped root, a run moved)
+but whose manifest committed every rank's object takes part as ``verified`` too, and is answered
+``tier: object`` (each rank's object and the ``path`` its file belongs at, the step's ``manifest``)
+only when neither its files nor memory hold it: the launcher downloads it before the restart
+(``ckptd.launcher.objfetch``). Objects do not depend on a node being alive.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from sqlalchemy.orm import Session
@@ -22,7 +29,7 @@ from ckptd.states import StepState, Tier
 from ckptd.storage import memslot
 
 #: the tiers an answer may come from unless the asker says otherwise
-DEFAULT_TIERS = (Tier.FILE, Tier.MEMORY)
+DEFAULT_TIERS = (Tier.FILE, Tier.MEMORY, Tier.OBJECT)
 
 MemoryCopies = dict[int, list[tuple[int, str, str]]]
 
@@ -48,3 +55,29 @@ def memory_shards(entries: list[tuple[int, str, str]], memory_root: str) -> list
     """The answer's shards of a memory step: each rank's slot, on its node, at the memory root."""
     return [{"rank": rank, "path": memslot.path_of(memory_root, loc), "location": loc, "node": node,
              "tier": Tier.MEMORY.value} for rank, loc, node in entries]
+
+
+def object_steps(s: Session, run_id: int, tiers: tuple[Tier, ...], world_size: int | None) -> MemoryCopies:
+    """Steps whole on the object tier (committed by their manifest): step id -> copies."""
+    if Tier.OBJECT not in tiers:
+        return {}
+    whole = copies.whole_steps(s, run_id, Tier.OBJECT, set())
+    return {k: v for k, v in whole.items() if world_size is None or len(v) == world_size}
+
+
+def object_answer(entries: list[tuple[int, str, str]], run_name: str, run_path: str, step: int,
+                  incarnation: int | None) -> dict:
+    """The answer's fields for a step restored from the object tier: each rank's object, the path
+    its file is fetched to (``<run>/<step>/`` of the key is the run directory), the manifest."""
+    from ckptd.storage import objmanifest
+
+    marker = f"/{objmanifest.step_dir(run_name, step, incarnation)}/"
+    shards = []
+    manifest = None
+    for rank, loc, node in entries:
+        base, _, rel = loc.partition(marker)
+        manifest = f"{base}{marker}{objmanifest.MANIFEST_NAME}"
+        shards.append({"rank": rank, "path": os.path.join(run_path, rel), "location": loc, "node": node,
+                       "tier": Tier.OBJECT.value})
+    return {"tier": Tier.OBJECT.value, "shards": shards, "manifest": manifest, "unreachable_nodes": [],
+            "mindformers": None, "files_whole": False}

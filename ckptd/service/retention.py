@@ -26,12 +26,12 @@ from typing import Any, Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptd import runlayout
-from ckptd.catalog import removal, repo
+from ckptd.catalog import copies, objrows, removal, repo
 from ckptd.catalog.models import Run
 from ckptd.policy import RetentionPolicy
 from ckptd.runlayout import sidecar_for
 from ckptd.service.resume import step_infos
-from ckptd.states import ShardState, StepState
+from ckptd.states import ShardState, StepState, Tier
 from ckptd.storage import ConfinementError, PosixStorage
 
 
@@ -64,7 +64,10 @@ def lineage_ids(s: Session) -> set[int]:
 def plan_run(s: Session, run: Run, policy: RetentionPolicy) -> tuple[list[int], dict[str, Any]]:
     now = datetime.now(timezone.utc)
     lineage = lineage_ids(s)
-    infos = [i if i.id not in lineage else _with_in_use(i) for i in step_infos(s, run.id, now)]
+    on_objects = copies.whole_steps(s, run.id, Tier.OBJECT, set())
+    # a step whose files are gone but whose objects are whole is object retention's, not this plan's
+    infos = [i if i.id not in lineage else _with_in_use(i) for i in step_infos(s, run.id, now)
+             if not (i.state == StepState.DELETED.value and i.id in on_objects)]
     plan = policy.plan(infos)
     by_id = {i.id: i for i in infos}
     doc = {
@@ -240,7 +243,9 @@ def finish_pending(sessions: sessionmaker[Session], store: PosixStorage, report:
         with sessions.begin() as s:
             refused = []
             report.deleted_files += len(delete_derived(s, ckpt_id, store, refused))
-            if not refused:
+            # the files were one copy: a step whole on the object tier keeps its rows and objects
+            # (object retention decides about those: gc never deletes a step's last verified copy)
+            if not refused and not objrows.files_gone_keep(s, ckpt_id):
                 removal.delete_checkpoint_rows(s, ckpt_id)
         if refused:
             _keep_with_reason(sessions, ckpt_id, refused, report)

@@ -1,0 +1,187 @@
+"""The object tier's catalog reads and writes (``ckptd.service.objtier``).
+
+An object copy row goes ``complete`` when its object is up and read back, and ``verified`` only
+once the step's manifest is written (the manifest is the commit: a step whose copies are merely
+``complete`` is not on the tier, so ``copies.whole_steps`` / ``whole_tiers`` never count it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ckptd.catalog import repo
+from ckptd.catalog.models import Checkpoint, Run, Shard, ShardCopy, StrategyFile, utcnow
+from ckptd.states import ShardState, StepState, Tier
+
+_OBJ = Tier.OBJECT.value
+_LIVE = (ShardState.COMPLETE.value, ShardState.VERIFIED.value)
+
+
+@dataclass(frozen=True)
+class StepToUpload:
+    ckpt_id: int
+    run: str
+    run_path: str
+    step: int  # the users' step (global step when known)
+    #: (rank, path, size, digest) of this node's verified shards without a live object copy
+    shards: list[tuple[int, str, int, str | None]]
+
+
+def _users_step(c: Checkpoint) -> int:
+    return c.global_step if c.global_step is not None else c.step
+
+
+def to_upload(s: Session, node: str, every: int, limit: int = 16) -> list[StepToUpload]:
+    """Verified trained steps (every ``every``-th) with shards of ``node`` not on the tier yet, oldest first."""
+    has_copy = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Shard.checkpoint_id, ShardCopy.rank == Shard.rank,
+                                          ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE)).exists()
+    rows = s.execute(
+        select(Checkpoint, Run.name, Run.path, Shard.rank, Shard.path, Shard.size, Shard.digest)
+        .join(Run, Run.id == Checkpoint.run_id).join(Shard, Shard.checkpoint_id == Checkpoint.id)
+        .where(Checkpoint.kind == "trained", Checkpoint.state == StepState.VERIFIED.value, Shard.node == node,
+               Shard.state == ShardState.VERIFIED.value, ~has_copy)
+        .order_by(Checkpoint.id, Shard.rank)).all()
+    out: dict[int, StepToUpload] = {}
+    for c, run, path, rank, spath, size, digest in rows:
+        if _users_step(c) % every:
+            continue
+        if c.id not in out:
+            if len(out) >= limit:
+                break
+            out[c.id] = StepToUpload(c.id, run, path, _users_step(c), [])
+        out[c.id].shards.append((rank, spath, size, digest))
+    return list(out.values())
+
+
+def record_uploaded(s: Session, ckpt_id: int, rank: int, location: str, size: int, digest: str, node: str) -> bool:
+    """One rank's object is up and read back; True when this makes every expected rank's object up
+    and none committed yet: the caller is the one daemon that writes the manifest (the step's
+    row lock orders the daemons recording the step's ranks)."""
+    from ckptd.catalog import copies
+
+    ckpt = repo.lock_checkpoint(s, ckpt_id)
+    copies.record(s, ckpt_id, rank, Tier.OBJECT, location, state=ShardState.COMPLETE, size=size, digest=digest,
+                  node=node)
+    return manifest_due(s, ckpt)
+
+
+def manifest_due(s: Session, ckpt: Checkpoint) -> bool:
+    counts = dict(s.execute(select(ShardCopy.state, func.count(func.distinct(ShardCopy.rank))).where(
+        ShardCopy.checkpoint_id == ckpt.id, ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE))
+        .group_by(ShardCopy.state)).all())
+    return not counts.get(ShardState.VERIFIED.value) and ckpt.expected_ranks is not None and \
+        counts.get(ShardState.COMPLETE.value, 0) == ckpt.expected_ranks
+
+
+def uncommitted(s: Session, node: str) -> list[int]:
+    """Steps whose objects are all up but whose manifest was never confirmed (a daemon died
+    between the last upload and the commit), that ``node`` took part in: it writes the manifest."""
+    ids = s.execute(select(ShardCopy.checkpoint_id).where(
+        ShardCopy.tier == _OBJ, ShardCopy.node == node, ShardCopy.state == ShardState.COMPLETE.value).distinct()).scalars()
+    return [i for i in ids if manifest_due(s, s.get(Checkpoint, i))]
+
+
+def object_rows(s: Session, ckpt_id: int) -> list[tuple[int, str, int | None, str | None, str]]:
+    """(rank, location, size, digest, state) of the step's live object copies."""
+    return [tuple(r) for r in s.execute(select(ShardCopy.rank, ShardCopy.location, ShardCopy.size, ShardCopy.digest,
+                                               ShardCopy.state).where(
+        ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE))
+        .order_by(ShardCopy.rank, ShardCopy.id.desc()))]
+
+
+@dataclass(frozen=True)
+class StepIdentity:
+    run: str
+    run_path: str
+    layout: str
+    prefix: str
+    epoch: int
+    name_step: int
+    step: int
+    global_step: int | None
+    incarnation: int | None
+    world_size: int | None
+    strategy_path: str | None
+    strategy_hash: str | None
+
+
+def identity(s: Session, ckpt_id: int) -> StepIdentity:
+    c = s.get(Checkpoint, ckpt_id)
+    run = s.get(Run, c.run_id)
+    strat = s.get(StrategyFile, c.strategy_id) if c.strategy_id else None
+    return StepIdentity(run.name, run.path, run.layout, c.prefix, c.epoch, c.step, _users_step(c), c.global_step,
+                        c.incarnation, c.expected_ranks, strat.path if strat else None,
+                        strat.content_hash if strat else None)
+
+
+def commit(s: Session, ckpt_id: int) -> int:
+    """The manifest is written: the step's object copies are verified (bumps the resume generation)."""
+    return s.execute(update(ShardCopy).where(
+        ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ, ShardCopy.state == ShardState.COMPLETE.value)
+        .values(state=ShardState.VERIFIED.value, verified_at=utcnow())).rowcount
+
+
+def due_for_scrub(s: Session, node: str, older_than, limit: int) -> list[tuple[int, int, str, int, str]]:  # noqa: ANN001
+    """(step id, rank, location, size, digest) of ``node``'s verified object copies last checked
+    before ``older_than``, oldest first."""
+    return [tuple(r) for r in s.execute(select(
+        ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.size, ShardCopy.digest).where(
+        ShardCopy.tier == _OBJ, ShardCopy.node == node, ShardCopy.state == ShardState.VERIFIED.value,
+        ShardCopy.verified_at < older_than).order_by(ShardCopy.verified_at).limit(limit))]
+
+
+def set_verdict(s: Session, ckpt_id: int, location: str, state: ShardState, error: str | None) -> None:
+    s.execute(update(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ,
+                                      ShardCopy.location == location).values(
+        state=state.value, error=error, verified_at=utcnow()))
+
+
+def runs_on_tier(s: Session) -> list[tuple[int, str]]:
+    """(run id, name) of runs with verified object copies."""
+    return [tuple(r) for r in s.execute(select(Run.id, Run.name).where(select(ShardCopy.id).join(
+        Checkpoint, Checkpoint.id == ShardCopy.checkpoint_id).where(
+        Checkpoint.run_id == Run.id, ShardCopy.tier == _OBJ, ShardCopy.state == ShardState.VERIFIED.value).exists()))]
+
+
+def drop_step(s: Session, ckpt_id: int) -> bool:
+    """The step's objects are deleted: its object rows go, and the step's own rows too when no
+    file or other copy holds it any more. True when the step is gone entirely."""
+    from ckptd.catalog import copies, removal
+
+    s.execute(update(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ)
+              .values(state=ShardState.DELETED.value))
+    if copies.orphans(s, [ckpt_id]) or s.get(Checkpoint, ckpt_id).state == StepState.DELETED.value and not \
+            s.execute(select(ShardCopy.id).where(ShardCopy.checkpoint_id == ckpt_id,
+                                                 ShardCopy.state != ShardState.DELETED.value)).first():
+        removal.delete_checkpoint_rows(s, ckpt_id)
+        return True
+    return False
+
+
+def files_gone_keep(s: Session, ckpt_id: int) -> bool:
+    """File retention removed the step's files: when it is whole on the object tier its rows stay
+    (state ``deleted``, its object copies untouched) and this returns True."""
+    held = s.execute(select(func.count(func.distinct(ShardCopy.rank))).where(
+        ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ, ShardCopy.state == ShardState.VERIFIED.value)).scalar()
+    c = s.get(Checkpoint, ckpt_id)
+    if not held or c.expected_ranks is None or held < c.expected_ranks:
+        return False
+    c.state = StepState.DELETED.value
+    c.reason = "files removed by retention; whole on the object tier"
+    return True
+
+
+def set_verdict_all(s: Session, ckpt_id: int, state: ShardState, error: str | None) -> None:
+    s.execute(update(ShardCopy).where(ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ,
+                                      ShardCopy.state.in_(_LIVE)).values(state=state.value, error=error))
+
+
+def files_verified_at(s: Session, ckpt_id: int):  # noqa: ANN201 - datetime | None
+    """When the step's last shard file was verified (the start of the delay to its manifest)."""
+    from ckptd.catalog.models import as_utc
+
+    at = s.execute(select(func.max(Shard.verified_at)).where(Shard.checkpoint_id == ckpt_id)).scalar()
+    return as_utc(at) if at is not None else None

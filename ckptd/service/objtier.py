@@ -1,0 +1,229 @@
+"""The object tier's daemon side: verified steps copied to S3-compatible storage, committed by a manifest.
+
+One thread per daemon (``ckptd-object``) runs :meth:`ObjectTier.run_once` in a loop:
+
+1. upload: every ``upload_every``-th verified step's shards that *this node* owns (``shards.node``)
+   go up as ``PREFIX/<run>/<step>/<run-relative path>``, each hashed while read (it must be the
+   verified file: the catalog's xxh3-128) and read back from the server before its copy row is
+   recorded ``complete``. Encrypted shards go up as they are (ckptd never decrypts to upload).
+2. commit: the daemon whose row makes every expected rank ``complete`` (under the step's row lock:
+   exactly one) uploads the strategy file, writes the manifest, and only then turns the rows
+   ``verified``: from then on ``ls`` / the API list ``object`` and the oracle may answer from it.
+3. scrub (``object_scrub_interval``): each verified object is read back again; one changed or gone
+   becomes ``corrupt`` / ``deleted`` and the step is no longer answered from the tier.
+4. retention (``object_keep_last`` / ``object_keep_every``): over the steps whole on the tier; a
+   step's manifest is deleted first, then its objects.
+
+Failures never stop the file tier: an unreachable server is retried with back-off (1 s doubling
+to 60 s; nothing is committed until everything is up); wrong credentials or a missing bucket are
+one clear error in the log and in ``/healthz``'s details (:attr:`ObjectTier.problem`), retried slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from ckptd.catalog import copies, objrows
+from ckptd.policy import RetentionPolicy
+from ckptd.service.resume import step_infos
+from ckptd.service.verifier import file_digest
+from ckptd.states import ShardState, StepState, Tier
+from ckptd.storage import PosixStorage, objmanifest
+from ckptd.storage.s3 import ObjectStore, ObjectStoreError
+
+log = logging.getLogger("ckptd.objtier")
+
+MAX_BACKOFF = 60.0
+
+
+class ObjectTier:
+    def __init__(self, sessions: sessionmaker[Session], files: PosixStorage, objects: ObjectStore, node: str, *,
+                 upload_every: int = 1, scrub_interval: float = 0.0, policy: RetentionPolicy | None = None) -> None:
+        self.sessions = sessions
+        self.files = files
+        self.objects = objects
+        self.node = node
+        self.upload_every = max(1, upload_every)
+        self.scrub_interval = scrub_interval
+        self.policy = policy
+        #: what is wrong with the tier now (``/healthz`` details), None when it works
+        self.problem: dict[str, str] | None = None
+        self._backoff = 1.0
+        self.uploaded_bytes = 0
+        self.upload_seconds = 0.0
+        #: seconds from a step's files verified to its manifest written, per committed step
+        self.commit_delays: list[float] = []
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run_once(self) -> float:
+        """One pass; returns how long to wait before the next."""
+        try:
+            if self.problem is not None:
+                self.objects.check_access()  # the cheapest way to learn the server is back
+            self.upload_due()
+            self.commit_pending()
+            if self.scrub_interval:
+                self.scrub()
+            if self.policy is not None:
+                self.gc()
+        except ObjectStoreError as err:
+            self._failed(err)
+            wait, self._backoff = self._backoff, min(self._backoff * 2, MAX_BACKOFF)
+            return MAX_BACKOFF if err.kind in ("credentials", "bucket") else wait
+        if self.problem is not None:
+            log.info("object tier %s works again", self.objects.url)
+        self.problem = None
+        self._backoff = 1.0
+        return 0.5
+
+    def _failed(self, err: ObjectStoreError) -> None:
+        problem = {"kind": err.kind, "error": err.message, "store": str(self.objects.url)}
+        if problem != self.problem:  # one line per new problem, not one per retry
+            if err.kind in ("credentials", "bucket"):
+                log.error("object tier disabled until fixed: %s (the file tier keeps serving)", err.message)
+            else:
+                log.warning("object tier: %s; retrying with back-off", err.message)
+        self.problem = problem
+
+    # --- upload and commit ---------------------------------------------------------------------
+
+    def upload_due(self) -> int:
+        with self.sessions() as s:
+            due = objrows.to_upload(s, self.node, self.upload_every)
+        n = 0
+        for st in due:
+            for rank, path, size, digest in st.shards:
+                n += self._upload_shard(st, rank, path, size, digest)
+        return n
+
+    def _key(self, run: str, step: int, incarnation: int | None, run_path: str, path: str) -> str:
+        return f"{objmanifest.step_dir(run, step, incarnation)}/{os.path.relpath(path, run_path)}"
+
+    def _upload_shard(self, st: objrows.StepToUpload, rank: int, path: str, size: int, digest: str | None) -> int:
+        with self.sessions() as s:
+            ident = objrows.identity(s, st.ckpt_id)
+        key = self._key(st.run, st.step, ident.incarnation, st.run_path, path)
+        t = time.perf_counter()
+        try:
+            with self.files.opened(path) as fd_path:
+                sent = self.objects.put_file(key, fd_path)
+        except OSError as exc:  # the file went (retention, the job) or was replaced: the rescan judges it
+            log.info("object tier: %s not uploaded: %s", path, exc)
+            return 0
+        got = self.objects.digest(key, size)  # the read-back: what the server holds
+        if got != digest or sent != size:
+            # the file changed since it was verified (the verifier re-judges it), or the upload was torn
+            log.warning("object tier: %s: the object read back is not the verified file; not recorded", path)
+            self.objects.delete(key)
+            return 0
+        self.uploaded_bytes += size
+        self.upload_seconds += time.perf_counter() - t
+        with self.sessions.begin() as s:
+            due = objrows.record_uploaded(s, st.ckpt_id, rank, self.objects.uri(key), size, got, self.node)
+        if due:
+            self.commit(st.ckpt_id)
+        return 1
+
+    def commit_pending(self) -> None:
+        """Manifests a crash (or a server that went away) left unwritten after every object was up."""
+        with self.sessions() as s:
+            pending = objrows.uncommitted(s, self.node)
+        for ckpt_id in pending:
+            self.commit(ckpt_id)
+
+    def commit(self, ckpt_id: int) -> None:
+        """Write the step's manifest (after the strategy file), then mark its object copies verified."""
+        with self.sessions() as s:
+            ident = objrows.identity(s, ckpt_id)
+            rows = objrows.object_rows(s, ckpt_id)
+            verified_at = objrows.files_verified_at(s, ckpt_id)
+        base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
+        objects = [{"path": self.objects.key_of(loc)[len(base) + 1:], "rank": rank, "role": "shard", "size": size,
+                    "xxh3_128": digest} for rank, loc, size, digest, _ in rows]
+        if ident.strategy_path and self.files.stat(ident.strategy_path) is not None:
+            rel = os.path.relpath(ident.strategy_path, ident.run_path)
+            try:
+                with self.files.opened(ident.strategy_path) as fd_path:
+                    size = self.objects.put_file(f"{base}/{rel}", fd_path)
+                    digest = file_digest(fd_path)
+                if self.objects.digest(f"{base}/{rel}", size) != digest:
+                    raise ObjectStoreError("the strategy file's object reads back differently", kind="other")
+                objects.append({"path": rel, "rank": None, "role": "strategy", "size": size, "xxh3_128": digest})
+            except OSError as exc:  # a strategy directory (per-rank files) or an unreadable one: say so
+                log.warning("object tier: strategy file %s not uploaded with step %d: %s", ident.strategy_path,
+                            ident.step, exc)
+        identity = {"prefix": ident.prefix, "epoch": ident.epoch, "name_step": ident.name_step, "step": ident.step,
+                    "global_step": ident.global_step, "incarnation": ident.incarnation, "world_size": ident.world_size}
+        body = objmanifest.encode(ident.run, identity, ident.layout, ident.strategy_hash, objects)
+        self.objects.put_bytes(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation), body)
+        with self.sessions.begin() as s:
+            objrows.commit(s, ckpt_id)
+        if verified_at is not None:
+            self.commit_delays.append((datetime.now(timezone.utc) - verified_at).total_seconds())
+        log.info("object tier: run %s step %d committed (%d objects)", ident.run, ident.step, len(objects))
+
+    # --- scrub and retention -------------------------------------------------------------------
+
+    def scrub(self, limit: int = 8) -> int:
+        """Read back the objects verified longest ago; a changed or missing one loses its verdict."""
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.scrub_interval)
+        with self.sessions() as s:
+            due = objrows.due_for_scrub(s, self.node, cutoff, limit)
+        for ckpt_id, rank, loc, size, digest in due:
+            key = self.objects.key_of(loc)
+            try:
+                got = self.objects.digest(key, size)
+            except ObjectStoreError as err:
+                if err.kind != "not_found":
+                    raise
+                state, why = ShardState.DELETED, "the object is gone"
+            else:
+                state, why = (ShardState.VERIFIED, None) if got == digest else (
+                    ShardState.CORRUPT, f"the object changed since upload (xxh3-128 {got[:12]}…, expected {digest[:12]}…)")
+            if why:
+                log.warning("object tier scrub: %s: %s", loc, why)
+            with self.sessions.begin() as s:
+                objrows.set_verdict(s, ckpt_id, loc, state, why)
+        return len(due)
+
+    def gc(self) -> int:
+        """Object retention: over each run's steps whole on the tier (as the file policy sees steps)."""
+        deleted = 0
+        with self.sessions() as s:
+            runs = objrows.runs_on_tier(s)
+        for run_id, _name in runs:
+            with self.sessions() as s:
+                whole = copies.whole_steps(s, run_id, Tier.OBJECT, set())
+                infos = [i for i in step_infos(s, run_id, datetime.now(timezone.utc)) if i.id in whole]
+            from dataclasses import replace
+
+            plan = self.policy.plan([replace(i, state=StepState.VERIFIED.value) for i in infos])
+            for ckpt_id in plan.delete:
+                self.delete_step(ckpt_id)
+                deleted += 1
+        return deleted
+
+    def delete_step(self, ckpt_id: int) -> None:
+        """The manifest first (the step leaves the tier at once), then its objects, then the rows."""
+        with self.sessions() as s:
+            ident = objrows.identity(s, ckpt_id)
+        base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
+        with self.sessions.begin() as s:  # not answered from the tier any more, before any object goes
+            objrows.set_verdict_all(s, ckpt_id, ShardState.DELETED, "deleted by object retention")
+        self.objects.delete(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation))
+        for key, _size in self.objects.list(base + "/"):
+            self.objects.delete(key)
+        with self.sessions.begin() as s:
+            objrows.drop_step(s, ckpt_id)
+        log.info("object retention: run %s step %d deleted from %s", ident.run, ident.step, self.objects.url)
+
+    def status(self) -> dict[str, Any]:
+        return {"store": str(self.objects.url), "problem": self.problem}
+
