@@ -105,7 +105,7 @@ SQL_HOMES = ("ckptd/catalog/", "ckptd/migrations/")
 #: others when the rest moved to ckptd/catalog/; each entry goes once its module is clean (the
 #: test below then says so). Never add one: write a function in ckptd/catalog/ instead.
 SQL_NOT_MOVED_YET = {
-    "ckptd/service/resume.py",  # the resume fast path's own reads and its generation SQL
+    "ckptd/service/resume.py",  # the resume oracle's own reads (its hot path: plain column rows)
 }
 
 

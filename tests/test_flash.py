@@ -4,6 +4,7 @@ a resume from memory; the resumed job ends bitwise equal to an uninterrupted one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,18 +33,25 @@ def reference(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def served(tmp_path):
+@contextlib.contextmanager
+def _serve(tmp_path, **env: str):
+    """A real ``ckptd serve`` with a memory root, persisting every 5th step: (root, shm, client, proc, log)."""
     root, shm = tmp_path / "root", tmp_path / "shm"
     root.mkdir()
     log = tmp_path / "serve.log"
     proc, client = serve_process(root, migrated_sqlite(tmp_path / "c.db"), log, "--persist-every", str(PERSIST),
-                                 "--memory-root", str(shm), CKPTD_MEMORY_SCRUB_AFTER="0.5")
+                                 "--memory-root", str(shm), **env)
     try:
         wait_for(lambda: resume_of(proc, client, log, "none") is None and _up(client), timeout=60, what="serve up")
         yield root, shm, client, proc, log
     finally:
         stop_process(proc)
+
+
+@pytest.fixture
+def served(tmp_path):
+    with _serve(tmp_path, CKPTD_MEMORY_SCRUB_AFTER="0.5") as s:
+        yield s
 
 
 def _up(client) -> bool:
@@ -190,13 +198,7 @@ def test_too_little_shared_memory_is_said_at_start_and_training_goes_on_with_fil
 
 
 def test_the_daemon_releases_the_memory_of_a_run_no_job_writes_any_more(tmp_path):
-    root, shm = tmp_path / "root", tmp_path / "shm"
-    root.mkdir()
-    log = tmp_path / "serve.log"
-    proc, client = serve_process(root, migrated_sqlite(tmp_path / "c.db"), log, "--persist-every", str(PERSIST),
-                                 "--memory-root", str(shm), CKPTD_MEMORY_RELEASE_AFTER="3")
-    try:
-        wait_for(lambda: _up(client), timeout=60, what="serve up")
+    with _serve(tmp_path, CKPTD_MEMORY_RELEASE_AFTER="3") as (root, shm, client, proc, log):
         run = _killed_run(root, shm)  # a crashed job nobody restarts
         region = shm / memslot.run_key(str(run))
         wait_for(lambda: not region.exists(), timeout=60, what="the region released")
@@ -205,5 +207,3 @@ def test_the_daemon_releases_the_memory_of_a_run_no_job_writes_any_more(tmp_path
         answer = resume_of(proc, client, log, "run1")
         assert answer["tier"] == "file" and answer["step"] == 10, answer  # the last persisted step
         assert 11 not in _steps(client)  # a step only memory held went with it
-    finally:
-        stop_process(proc)

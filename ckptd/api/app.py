@@ -13,7 +13,7 @@ from ckptd import __version__
 from ckptd.api import deps, errors, guard, methods, routes_conversions, routes_nodes, routes_resume, routes_runs, routes_system
 from ckptd.api import routes_page  # the status page (HTML at / and /runs/{run})
 from ckptd.daemon import Daemon
-from ckptd.service.resume import ResumeCache
+from ckptd.service.resume_cache import ResumeCache
 from ckptd.settings import Settings
 
 

@@ -24,7 +24,8 @@ from ckptd.api.errors import responses
 from ckptd.api.guard import DEFAULT_MAX_BODY, max_body
 from ckptd.api.schemas import HealthCleared, HealthReport, ResumeAnswer
 from ckptd.service import health
-from ckptd.service.resume import ResumeCache, ResumeOptions
+from ckptd.service.resume import ResumeOptions
+from ckptd.service.resume_cache import ResumeCache
 from ckptd.split import parse_split
 from ckptd.states import Tier
 

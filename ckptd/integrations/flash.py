@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -89,7 +90,12 @@ class FlashWriter:
         self.maps: list[Any] = [None, None]
         self.sizes = [0, 0]  # bytes of each slot file, once mapped
         self.rooms = [0, 0]  # bytes reserved for each slot's table
-        self.committing: threading.Thread | None = None
+        # one committer thread for the writer's life (a thread per snapshot cost the training
+        # thread its start-up and GIL hand-offs every step)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._committer: threading.Thread | None = None
         self.error: BaseException | None = None
         # numbering continues after a restart: a reader must never see an older seq as newer
         # the node daemon's persist cadence: a snapshot of such a step is kept until its file exists
@@ -182,9 +188,11 @@ class FlashWriter:
             e = by_name[name]
             np.copyto(np.ndarray(a.shape, a.dtype, buffer=m, offset=off + e.offset), a, casting="no")
         stall = time.perf_counter() - t0
-        self.committing = threading.Thread(target=self._commit, args=(slot, raw, table, off),
-                                           name="ckptd-flash-commit", daemon=True)
-        self.committing.start()
+        if self._committer is None:
+            self._committer = threading.Thread(target=self._commit_loop, name="ckptd-flash-commit", daemon=True)
+            self._committer.start()
+        self._idle.clear()
+        self._jobs.put((slot, raw, table, off))
         return stall
 
     def _free_slot(self) -> int:
@@ -199,6 +207,11 @@ class FlashWriter:
             else:
                 return self.newest_slot
         return slot
+
+    def _commit_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._commit(*job)
+            self._idle.set()
 
     def _commit(self, slot: int, raw: bytes, table: memslot.Table, off: int) -> None:
         try:
@@ -220,9 +233,7 @@ class FlashWriter:
 
     def wait(self) -> None:
         """The last snapshot is committed (or its failure raised here)."""
-        if self.committing is not None:
-            self.committing.join()
-            self.committing = None
+        self._idle.wait()
         if self.error is not None:
             err, self.error = self.error, None
             raise err
@@ -236,6 +247,10 @@ class FlashWriter:
     def release(self) -> None:
         """A clean end: the run's slots are no one's resume point any more (its files are)."""
         self.wait()
+        if self._committer is not None:
+            self._jobs.put(None)
+            self._committer.join()
+            self._committer = None
         self.close_maps()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:

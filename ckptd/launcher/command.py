@@ -146,8 +146,9 @@ def ask(spec: LaunchSpec, attempt: int, log: Log) -> ResumeAnswer:
         return ResumeAnswer(None, None, "no oracle configured", catalogued=False)
     url = spec.ckptd_url
     # a job whose own code loads the checkpoint (--resume-args / --resume-env: MindFormers) reads
-    # files; restore() also loads a rank's snapshot from its node's memory
-    tiers = "file" if spec.resume_args or spec.resume_env else None
+    # files (an object-tier answer is fetched to files before it starts); restore() also loads a
+    # rank's snapshot from its node's memory
+    tiers = "file,object" if spec.resume_args or spec.resume_env else None
 
     def once(timeout: float) -> ResumeAnswer:
         # the conversion is part of the round: ckptd unreachable while re-sharding is waited for
