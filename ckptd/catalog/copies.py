@@ -163,17 +163,31 @@ def orphans(s: Session, ckpt_ids: list[int]) -> list[int]:
 def whole_steps(s: Session, run_id: int, tier: Tier, unreachable: set[str]) -> dict[int, list[tuple[int, str, str]]]:
     """The run's steps whole on ``tier`` from reachable nodes: step id -> [(rank, location, node)],
     one verified copy per expected rank (the newest row where a rank has several)."""
+    return whole_steps_on(s, run_id, (tier,), unreachable).get(tier, {})
+
+
+def whole_steps_on(s: Session, run_id: int, tiers: tuple[Tier, ...], unreachable: set[str],
+                   ) -> dict[Tier, dict[int, list[tuple[int, str, str]]]]:
+    """:func:`whole_steps` of several tiers in one query (the resume oracle asks for memory and
+    objects on every computed answer). Only memory copies depend on their node being reachable."""
+    if not tiers:
+        return {}
     rows = s.execute(
-        select(ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.node, Checkpoint.expected_ranks)
+        select(ShardCopy.tier, ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.node,
+               Checkpoint.expected_ranks)
         .join(Checkpoint, Checkpoint.id == ShardCopy.checkpoint_id)
-        .where(Checkpoint.run_id == run_id, ShardCopy.tier == tier.value, ShardCopy.state == ShardState.VERIFIED.value)
-        .order_by(ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.id.desc())).all()
-    held: dict[int, dict[int, tuple[int, str, str]]] = defaultdict(dict)
+        .where(Checkpoint.run_id == run_id, ShardCopy.tier.in_([t.value for t in tiers]),
+               ShardCopy.state == ShardState.VERIFIED.value)
+        .order_by(ShardCopy.tier, ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.id.desc())).all()
+    held: dict[tuple[str, int], dict[int, tuple[int, str, str]]] = defaultdict(dict)
     expected: dict[int, int | None] = {}
-    for ckpt, rank, loc, node, world in rows:
-        if node in unreachable:
+    for tier, ckpt, rank, loc, node, world in rows:
+        if tier == Tier.MEMORY.value and node in unreachable:
             continue
-        held[ckpt].setdefault(rank, (rank, loc, node))
+        held[(tier, ckpt)].setdefault(rank, (rank, loc, node))
         expected[ckpt] = world
-    return {ckpt: [by_rank[r] for r in sorted(by_rank)] for ckpt, by_rank in held.items()
-            if expected[ckpt] is not None and sorted(by_rank) == list(range(expected[ckpt]))}
+    out: dict[Tier, dict[int, list[tuple[int, str, str]]]] = defaultdict(dict)
+    for (tier, ckpt), by_rank in held.items():
+        if expected[ckpt] is not None and sorted(by_rank) == list(range(expected[ckpt])):
+            out[Tier(tier)][ckpt] = [by_rank[r] for r in sorted(by_rank)]
+    return dict(out)

@@ -116,12 +116,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     dead = node_registry.unreachable(s, opts.node_timeout)
     tiers = opts.tiers if opts.memory_root is not None else tuple(t for t in opts.tiers if t is not Tier.MEMORY)
     wanted_world = opts.split.world if opts.split is not None else opts.world_size
-    mem = resume_tiers.memory_steps(s, run.id, dead, tiers, wanted_world)
-    if mem and runlayout.by_name(run.layout).iterations:
-        mem = {}  # Checkpoint 2.0 runs resume through MindFormers' own loader: files only
+    if runlayout.by_name(run.layout).iterations:
+        mem, obj = {}, {}  # Checkpoint 2.0 runs resume through MindFormers' own loader: files only
+    else:
+        mem, obj = resume_tiers.other_tier_steps(s, run.id, dead, tiers, wanted_world)
     if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
         mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
-    obj = resume_tiers.object_steps(s, run.id, tiers, wanted_world) if not runlayout.by_name(run.layout).iterations else {}
     other = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
     steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), other)
     decision = policy.decide(steps, health)

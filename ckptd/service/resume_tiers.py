@@ -34,13 +34,16 @@ DEFAULT_TIERS = (Tier.FILE, Tier.MEMORY, Tier.OBJECT)
 MemoryCopies = dict[int, list[tuple[int, str, str]]]
 
 
-def memory_steps(s: Session, run_id: int, dead: set[str], tiers: tuple[Tier, ...],
-                 world_size: int | None) -> MemoryCopies:
-    """Steps whole on the memory tier that this asker may be answered from: step id -> copies."""
-    if Tier.MEMORY not in tiers:
-        return {}
-    whole = copies.whole_steps(s, run_id, Tier.MEMORY, dead)
-    return {k: v for k, v in whole.items() if world_size is None or len(v) == world_size}
+def other_tier_steps(s: Session, run_id: int, dead: set[str], tiers: tuple[Tier, ...], world_size: int | None,
+                     ) -> tuple[MemoryCopies, MemoryCopies]:
+    """(memory, object): the steps whole on each tier this asker may be answered from (one query)."""
+    wanted = tuple(t for t in (Tier.MEMORY, Tier.OBJECT) if t in tiers)
+    found = copies.whole_steps_on(s, run_id, wanted, dead)
+
+    def fit(steps: MemoryCopies) -> MemoryCopies:
+        return {k: v for k, v in steps.items() if world_size is None or len(v) == world_size}
+
+    return fit(found.get(Tier.MEMORY, {})), fit(found.get(Tier.OBJECT, {}))
 
 
 def with_memory(steps: list[StepInfo], mem: MemoryCopies) -> list[StepInfo]:
@@ -55,14 +58,6 @@ def memory_shards(entries: list[tuple[int, str, str]], memory_root: str) -> list
     """The answer's shards of a memory step: each rank's slot, on its node, at the memory root."""
     return [{"rank": rank, "path": memslot.path_of(memory_root, loc), "location": loc, "node": node,
              "tier": Tier.MEMORY.value} for rank, loc, node in entries]
-
-
-def object_steps(s: Session, run_id: int, tiers: tuple[Tier, ...], world_size: int | None) -> MemoryCopies:
-    """Steps whole on the object tier (committed by their manifest): step id -> copies."""
-    if Tier.OBJECT not in tiers:
-        return {}
-    whole = copies.whole_steps(s, run_id, Tier.OBJECT, set())
-    return {k: v for k, v in whole.items() if world_size is None or len(v) == world_size}
 
 
 def object_answer(entries: list[tuple[int, str, str]], run_name: str, run_path: str, step: int,
