@@ -192,7 +192,9 @@ class Daemon:
 
     def _memory_loop(self) -> None:
         """The memory tier of this node: one thread owns its slots (ckptd.service.memtier)."""
-        while not self._stopping.wait(self.settings.memory_scan_interval):
+        # commit words are polled only while some job has slots here: an idle daemon wakes once a
+        # second (a poll every 20 ms costs the API's event loop GIL hand-offs for nothing)
+        while not self._stopping.wait(self.settings.memory_scan_interval if not self.memory.idle else 1.0):
             try:
                 self.memory.scan()
             except Exception:

@@ -61,6 +61,7 @@ class MemoryTier:
         self.seen: dict[str, Seen] = {}
         self._refused: set[tuple[str, int]] = set()
         self.active: dict[str, float] = {}  # run key -> when a commit word there last moved (monotonic)
+        self.idle = True  # no region under the memory root at the last scan
         self.snapshots = 0  # catalogued (read at /metrics scrapes from another thread: ints, no lock needed)
         self.persisted = 0
         self.bytes_hashed = 0
@@ -104,7 +105,9 @@ class MemoryTier:
         """One pass over the memory root; returns the number of snapshots catalogued."""
         done = 0
         now = time.monotonic()
-        for key, ranks in self._regions():
+        regions = self._regions()
+        self.idle = not regions
+        for key, ranks in regions:
             for rank, path in ranks:
                 if not os.path.lexists(path):
                     self._gone(path, "the slot was removed")
