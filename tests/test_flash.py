@@ -175,9 +175,10 @@ def test_a_flipped_byte_in_a_committed_slot_is_corrupt_and_never_answered(served
 
     doc = wait_for(judged, timeout=30, what="the idle slot scrubbed")  # CKPTD_MEMORY_SCRUB_AFTER=0.5
     bad = [c for c in doc["copies_without_file"] if c["state"] == "corrupt"]
-    assert "digest mismatch" in bad[0]["error"] and doc["tiers"] == []
+    assert "digest mismatch" in bad[0]["error"]
     answer = resume_of(proc, client, log, "run1")
-    assert answer["step"] == step - 1 and answer["tier"] == "memory", answer
+    # never answered from the damaged slot (the step may still be whole through another verified copy)
+    assert answer["tier"] == "memory" and all(sh["location"] != bad[0]["location"] for sh in answer["shards"]), answer
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a private tmpfs")
