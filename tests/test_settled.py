@@ -94,11 +94,15 @@ def test_the_answer_names_each_nodes_unjudged_work(saves, root, catalog_url, tmp
     far = Settings(root=far_root, db=catalog_url, node_name="far", node_timeout=1.0, settle_seconds=0.2)
     engine = make_engine(catalog_url)
     sessions = sessionmaker(engine, expire_on_commit=False)
-    with Server(Settings(root=root, db=catalog_url, node_timeout=1.0, heartbeat_interval=0.2)) as srv:
+    # node_timeout 3 s, with far's heartbeat renewed just before the first question: on a loaded
+    # CI machine the rescan alone has taken longer than a 1 s timeout, and far was then judged silent
+    with Server(Settings(root=root, db=catalog_url, node_timeout=3.0, heartbeat_interval=0.2)) as srv:
         with sessions.begin() as s:
             node_registry.register(s, "far", str(far_root))
-        compose.ingestor(far, sessions, NodeView(sessions, "far", 1.0, root=str(far_root)), lambda *a, **k: None,
+        compose.ingestor(far, sessions, NodeView(sessions, "far", 3.0, root=str(far_root)), lambda *a, **k: None,
                         lambda _id: None).rescan()
+        with sessions.begin() as s:
+            node_registry.heartbeat(s, "far")
         with srv.client() as c:
             held = c.get("/v1/runs/st/settled", params={"wait": 0.3}).json()
             assert not held["settled"] and held["rescanned"] and held["node"] == srv.daemon.settings.node_name
