@@ -4,8 +4,9 @@
    dtype, float32): ckptd's ``FlashWriter.snapshot`` (the copy; hash and commit run after, in the
    background), MindSpore's ``save_checkpoint(async_save=True)`` (what the call holds the caller
    for), and a plain ``numpy.copyto`` of the same bytes into a mapped buffer (the memcpy limit).
-   Then the load: ``flash.load_into`` (digest checked, then copied into the parameters) against
-   the same memcpy. Medians of ``--repeat`` after two warm-up rounds per slot.
+   Then the load: ``flash.load_into`` against the same memcpy, two ways: hashing while it copies
+   (no verdict given), and copying only (the resume answer's ``digest``, the one the daemon
+   verified, is the slot's; what a restore from a daemon's answer does). Medians of ``--repeat`` after two warm-up rounds per slot.
 2. The daemon's side: CPU seconds and bytes read per persisted byte (``MemoryTier`` catalogues a
    committed snapshot of a persist step and writes it as a ``.ckpt``), in this process.
 3. Step-time overhead of a snapshot on the trainer's default model (one rank): in one process
@@ -59,6 +60,7 @@ def stall_and_load(mib: int, repeat: int, workdir: str) -> dict[str, float]:
     import numpy as np
 
     from ckptd.integrations.flash import FlashWriter, load_into
+    from ckptd.storage import memslot
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     params = _params(ms, np, mib)
@@ -75,7 +77,7 @@ def stall_and_load(mib: int, repeat: int, workdir: str) -> dict[str, float]:
     for _, a in views:
         dst.append(np.ndarray(a.shape, a.dtype, buffer=buf, offset=off))
         off += a.nbytes
-    out: dict[str, list[float]] = {"memcpy": [], "flash": [], "ms_async": [], "load": []}
+    out: dict[str, list[float]] = {"memcpy": [], "flash": [], "ms_async": [], "load": [], "load_verified": []}
     ckpt = os.path.join(workdir, "ms.ckpt")
     try:
         for i in range(repeat + 4):
@@ -95,11 +97,18 @@ def stall_and_load(mib: int, repeat: int, workdir: str) -> dict[str, float]:
             t0 = time.perf_counter()
             load_into(w.paths[w.newest_slot], targets)
             t_load = time.perf_counter() - t0
+            snap = memslot.open_snapshot(w.paths[w.newest_slot])
+            digest = snap.digest
+            snap.close()
+            t0 = time.perf_counter()
+            load_into(w.paths[w.newest_slot], targets, verified=digest)
+            t_verified = time.perf_counter() - t0
             if i >= 4:  # two snapshots per slot to warm the mappings
                 out["memcpy"].append(t_copy)
                 out["flash"].append(t_flash)
                 out["ms_async"].append(t_ms)
                 out["load"].append(t_load)
+                out["load_verified"].append(t_verified)
     finally:
         w.release()
         buf.close()
@@ -215,12 +224,13 @@ def main() -> int:
     print(f"load average before: {open('/proc/loadavg').read().split()[:3]}")
     with tempfile.TemporaryDirectory() as work:
         print("\n| state | memcpy | ckptd snapshot stall | x memcpy | MindSpore async_save stall | ckptd / MindSpore "
-              "| load from memory | x memcpy |\n|---|---|---|---|---|---|---|---|")
+              "| load, hashed | x memcpy | load, daemon-verified | x memcpy |\n|---|---|---|---|---|---|---|---|---|---|")
         for mib in (int(x) for x in args.sizes.split(",")):
             r = stall_and_load(mib, args.repeat, work)
             print(f"| {mib} MiB | {r['memcpy'] * 1e3:.1f} ms | {r['flash'] * 1e3:.1f} ms | {r['flash'] / r['memcpy']:.2f} "
                   f"| {r['ms_async'] * 1e3:.1f} ms | 1/{r['ms_async'] / r['flash']:.0f} | {r['load'] * 1e3:.1f} ms "
-                  f"| {r['load'] / r['memcpy']:.2f} |", flush=True)
+                  f"| {r['load'] / r['memcpy']:.2f} | {r['load_verified'] * 1e3:.1f} ms "
+                  f"| {r['load_verified'] / r['memcpy']:.2f} |", flush=True)
         d = daemon_persist(512, work)
         print(f"\ndaemon, one 512 MiB snapshot of a persist step: {d['cpu_s']:.2f} s CPU, {d['wall_s']:.2f} s wall, "
               f"{d['ns_per_byte']:.2f} ns CPU per persisted byte; slot bytes read {d['bytes_read']} "

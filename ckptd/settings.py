@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ckptd.errors import CkptdError
+from ckptd.configfile import ConfigError, read_config_file
 from ckptd.atomic import TMP_SUFFIX
 from ckptd.runlayout import NODE_MARKER_PREFIX
 from ckptd.storage import PosixStorage
@@ -23,11 +20,6 @@ from ckptd.storage import PosixStorage
 #: digits, pid_max <= 2**22): that must fit a file name (NAME_MAX, 255 bytes), so a node name has
 #: at most 225 characters (the pattern admits ASCII only: characters are bytes).
 NODE_NAME_MAX = 255 - len(NODE_MARKER_PREFIX) - len(".4194304") - len(TMP_SUFFIX)
-
-
-class ConfigError(CkptdError):
-    code = "config"
-    default_hint = "see `ckptd config show` and docs/CONFIG.md"
 
 
 def token_problem(token: str) -> str | None:
@@ -49,14 +41,7 @@ class _FileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("CKPTD_CONFIG")
-        if not path:
-            return {}
-        try:
-            raw = Path(path).read_bytes()
-            return tomllib.loads(raw.decode()) if not path.endswith(".json") else json.loads(raw)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read config file: {exc}", path=path) from None
+        return read_config_file()
 
 
 class Settings(BaseSettings):

@@ -102,6 +102,11 @@ def test_a_killed_rank_resumes_from_memory_and_ends_bitwise_equal(ms, reference,
     assert answer["step"] == newest and answer["tier"] == "memory", answer  # RPO <= 1 step
     [slot] = answer["shards"]
     assert slot["path"].startswith(str(shm)) and slot["location"].startswith("memory://")
+    from ckptd.storage import memslot
+
+    held = memslot.open_snapshot(slot["path"])  # the digest the daemon verified is the slot's own
+    assert held is not None and slot["digest"] == held.digest and held.table.global_step == newest
+    held.close()
     resumed = train(run, "--steps", str(STEPS), "--save-every", "100", "--snapshot-every", "1",
                     "--memory-root", str(shm), "--resume-from", _answer_file(tmp_path, answer))
     assert f"resumed from step {newest} (memory:" in resumed.stdout

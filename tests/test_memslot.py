@@ -46,11 +46,13 @@ def test_a_committed_snapshot_reads_back_bit_exactly_from_the_newest_slot(writer
     snap.close()
     assert {os.stat(p).st_mode & 0o777 for p in writer.paths} == {0o600}
     assert os.stat(writer.dir).st_mode & 0o777 == 0o700
-    targets = {n: np.zeros_like(a) for n, a in state}
-    table = load_into(snap.path, targets)
-    assert table.global_step == 11
-    for name, a in state:
-        assert targets[name].tobytes() == a.tobytes()
+    # hashed while copied, and (the daemon's verified digest named) copied only: the same bytes
+    for verified in (None, snap.digest):
+        targets = {n: np.zeros_like(a) for n, a in state}
+        table = load_into(snap.path, targets, verified=verified)
+        assert table.global_step == 11
+        for name, a in state:
+            assert targets[name].tobytes() == a.tobytes()
 
 
 def test_double_buffering_keeps_the_other_slot_whole_while_one_is_written(writer):
@@ -90,6 +92,9 @@ def test_a_damaged_slot_is_refused_with_the_reason(writer):
     # caller (restore()) raises it out of the job, which never trains on what was copied
     with pytest.raises(memslot.SlotError, match="digest mismatch"):
         load_into(path, targets)
+    # a digest the daemon verified for other bytes (not the slot's) vouches for nothing: hashed, refused
+    with pytest.raises(memslot.SlotError, match="digest mismatch"):
+        load_into(path, targets, verified="0" * 32)
 
 
 def test_a_slot_others_can_read_or_of_another_user_is_refused(writer, tmp_path):

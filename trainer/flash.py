@@ -32,9 +32,11 @@ def snapshot(flash: FlashWriter, writer: CheckpointWriter, items: list[tuple[str
     return flash.snapshot(step, epoch, os.path.relpath(path, writer.run_dir), tensors, values, order)
 
 
-def load_snapshot(path: str, topo: Topology, targets: dict[str, object]) -> Restored:
-    """Restore this rank's state from its slot (checked whole and of this model before a byte is copied)."""
-    table = load_into(path, {name: p.asnumpy() for name, p in targets.items()})  # type: ignore[attr-defined]
+def load_snapshot(path: str, topo: Topology, targets: dict[str, object], verified: str | None = None) -> Restored:
+    """Restore this rank's state from its slot (checked of this model before a byte is copied;
+    ``verified``: the digest the daemon checked, see :func:`~ckptd.integrations.flash.load_into`)."""
+    table = load_into(path, {name: p.asnumpy() for name, p in targets.items()},  # type: ignore[attr-defined]
+                      verified=verified)
     if table.rank != topo.rank or table.world_size != topo.tp * topo.dp:
         raise RuntimeError(f"{path} holds rank {table.rank} of a world of {table.world_size}, not rank {topo.rank} "
                            f"of tp={topo.tp} dp={topo.dp}")

@@ -159,21 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume_from:
         with open(args.resume_from) as fh:
             answer = json.load(fh)
-        mine = [s["path"] for s in answer.get("shards", []) if int(s["rank"]) == rank]
-        if len(mine) != 1:
-            raise SystemExit(f"resume answer has {len(mine)} shards for rank {rank}")
+        shard = [s for s in answer.get("shards", []) if int(s["rank"]) == rank]
+        if len(shard) != 1:
+            raise SystemExit(f"resume answer has {len(shard)} shards for rank {rank}")
+        mine = shard[0]["path"]
         targets = dict(items())
         if answer.get("tier") == "memory":
             from trainer.flash import load_snapshot
 
-            restored = load_snapshot(mine[0], topo, targets)
+            restored = load_snapshot(mine, topo, targets, verified=shard[0].get("digest"))
         else:
-            restored = load_shard(mine[0], topo, targets, enc_key)
+            restored = load_shard(mine, topo, targets, enc_key)
         if restored.step != int(answer["step"]):  # the training step ("name_step" is the file name's)
-            raise SystemExit(f"{mine[0]} holds step {restored.step}, the answer says {answer['step']}")
+            raise SystemExit(f"{mine} holds step {restored.step}, the answer says {answer['step']}")
         sampler.restore(restored.data_state)
         step = restored.step
-        _log(rank, f"resumed from step {step} ({answer.get('tier', 'file')}: {mine[0]})")
+        _log(rank, f"resumed from step {step} ({answer.get('tier', 'file')}: {mine})")
     elif args.save_initial and args.save_every:
         writer.save(items(), 0, sampler.epoch, sampler.state(), async_save=not args.sync_save)
 

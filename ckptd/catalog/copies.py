@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 from datetime import datetime
 
 from sqlalchemy import delete, func, select, update
@@ -160,33 +161,42 @@ def orphans(s: Session, ckpt_ids: list[int]) -> list[int]:
         Checkpoint.marked_bad.is_(False), Checkpoint.lease_until.is_(None))).scalars())
 
 
-def whole_steps(s: Session, run_id: int, tier: Tier, unreachable: set[str]) -> dict[int, list[tuple[int, str, str]]]:
-    """The run's steps whole on ``tier`` from reachable nodes: step id -> [(rank, location, node)],
-    one verified copy per expected rank (the newest row where a rank has several)."""
+class WholeCopy(NamedTuple):
+    """One rank's verified copy of a step that is whole on a tier."""
+
+    rank: int
+    location: str
+    node: str | None
+    digest: str | None  # xxh3-128 the daemon computed when it verified the copy
+
+
+def whole_steps(s: Session, run_id: int, tier: Tier, unreachable: set[str]) -> dict[int, list[WholeCopy]]:
+    """The run's steps whole on ``tier`` from reachable nodes: step id -> one verified copy per
+    expected rank, in rank order (the newest row where a rank has several)."""
     return whole_steps_on(s, run_id, (tier,), unreachable).get(tier, {})
 
 
 def whole_steps_on(s: Session, run_id: int, tiers: tuple[Tier, ...], unreachable: set[str],
-                   ) -> dict[Tier, dict[int, list[tuple[int, str, str]]]]:
+                   ) -> dict[Tier, dict[int, list[WholeCopy]]]:
     """:func:`whole_steps` of several tiers in one query (the resume oracle asks for memory and
     objects on every computed answer). Only memory copies depend on their node being reachable."""
     if not tiers:
         return {}
     rows = s.execute(
         select(ShardCopy.tier, ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.location, ShardCopy.node,
-               Checkpoint.expected_ranks)
+               ShardCopy.digest, Checkpoint.expected_ranks)
         .join(Checkpoint, Checkpoint.id == ShardCopy.checkpoint_id)
         .where(Checkpoint.run_id == run_id, ShardCopy.tier.in_([t.value for t in tiers]),
                ShardCopy.state == ShardState.VERIFIED.value)
         .order_by(ShardCopy.tier, ShardCopy.checkpoint_id, ShardCopy.rank, ShardCopy.id.desc())).all()
-    held: dict[tuple[str, int], dict[int, tuple[int, str, str]]] = defaultdict(dict)
+    held: dict[tuple[str, int], dict[int, WholeCopy]] = defaultdict(dict)
     expected: dict[int, int | None] = {}
-    for tier, ckpt, rank, loc, node, world in rows:
+    for tier, ckpt, rank, loc, node, digest, world in rows:
         if tier == Tier.MEMORY.value and node in unreachable:
             continue
-        held[(tier, ckpt)].setdefault(rank, (rank, loc, node))
+        held[(tier, ckpt)].setdefault(rank, WholeCopy(rank, loc, node, digest))
         expected[ckpt] = world
-    out: dict[Tier, dict[int, list[tuple[int, str, str]]]] = defaultdict(dict)
+    out: dict[Tier, dict[int, list[WholeCopy]]] = defaultdict(dict)
     for (tier, ckpt), by_rank in held.items():
         if expected[ckpt] is not None and sorted(by_rank) == list(range(expected[ckpt])):
             out[Tier(tier)][ckpt] = [by_rank[r] for r in sorted(by_rank)]

@@ -17,9 +17,9 @@ from urllib.parse import quote
 from sqlalchemy import Engine, create_engine, event, exc as sa_exc, inspect, text
 from sqlalchemy.engine import make_url
 
+from ckptd.configfile import default_db_url
 from ckptd.errors import CkptdError
 
-DEFAULT_DB_PATH = os.path.join(os.path.expanduser("~"), ".local", "share", "ckptd", "catalog.db")
 
 
 class CatalogError(CkptdError):
@@ -31,12 +31,8 @@ class SchemaMismatchError(CatalogError):
     code = "schema"
 
 
-def default_url() -> str:
-    return f"sqlite:///{DEFAULT_DB_PATH}"
-
-
 def make_engine(url: str | None = None) -> Engine:
-    url = url or default_url()
+    url = url or default_db_url()
     try:
         parsed = make_url(url)
     except Exception:  # sqlalchemy raises ArgumentError with a terse message

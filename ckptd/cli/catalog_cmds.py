@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ckptd import advert
 from ckptd.cli.reader import NoAnswer, add_url_flag, reader
 from ckptd.cli.service import add_daemon_flags, settings_from
 from ckptd.errors import CkptdError
@@ -130,9 +131,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             hint="configure tokens (--token-file or CKPTD_TOKENS) or listen on 127.0.0.1",
         )
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                access_log=settings.access_log)
+    app = create_app(settings)
+    # ckptd ls / resume on this machine ask this daemon instead of opening the catalog (ckptd.advert)
+    from ckptd.configfile import default_db_url
+
+    ad = advert.advertise(settings.db or default_db_url(), local_url(settings.host, settings.port))
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
+    finally:
+        advert.withdraw(ad)
     return 0
+
+
+def local_url(host: str, port: int) -> str:
+    """How a process on this machine reaches a server listening on ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,14 +1,19 @@
 """Where ``ckptd ls`` and ``ckptd resume`` get their answers: a running daemon, or the catalog itself.
 
-With ``--ckptd-url URL`` (or ``$CKPTD_URL``, the variable the launcher and the training callback
-already read; ``--db`` on the command line wins over it) the command asks the daemon's API over
-HTTP, with ``$CKPTD_TOKEN`` as the bearer token like the launcher. Otherwise it opens the catalog
-(SQLAlchemy, the ORM models, pydantic settings, the schema guard).
+The daemon asked: ``--ckptd-url URL``, else ``$CKPTD_URL`` (the variable the launcher and the
+training callback already read) unless ``--db`` is on the command line, else the live ``ckptd
+serve`` of this machine that advertises the catalog the command names (:mod:`ckptd.advert`; the
+catalog from ``--db`` / ``$CKPTD_DB`` / the config file / the default, :func:`ckptd.configfile.
+catalog_url`). ``$CKPTD_TOKEN`` is the bearer token, as for the launcher. A daemon named by the
+operator that cannot be asked is an error; an advertised one that cannot (gone meanwhile, no
+token for it, another ckptd version) is skipped, and the catalog is opened after all. With no
+daemon, the command opens the catalog (SQLAlchemy, the ORM models, pydantic settings, the schema
+guard).
 
-Why both: opening the catalog costs ~0.3 s of imports before the first query (SQLAlchemy builds its
-classes at import), five times a bare interpreter's start, which a launcher polling ``ckptd resume
---json`` or an operator's shell pays on every call. The daemon's answers are the service's own —
-the same functions behind its routes, the resume answer the oracle's body byte for byte — so
+Why: opening the catalog costs ~0.5 s of imports before the first query (SQLAlchemy builds its
+classes at import), ten times a bare interpreter's start, which a launcher polling ``ckptd resume
+--json`` or an operator's shell pays on every call. The daemon's answers are the service's own --
+the same functions behind its routes, the resume answer the oracle's body byte for byte -- so
 asking it is no second source of truth, and this module imports only the standard library until
 the catalog is needed.
 """
@@ -19,7 +24,7 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptd.errors import CkptdError
@@ -47,36 +52,55 @@ def add_url_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckptd-url", metavar="URL",
                    help="ask the daemon at URL instead of opening the catalog (default $CKPTD_URL unless --db is given; "
                         "token: $CKPTD_TOKEN)")
+    p.add_argument("--no-daemon", action="store_true",
+                   help="open the catalog here even when a daemon on this machine serves it")
 
 
-def daemon_url(args: argparse.Namespace) -> str | None:
-    """The daemon to ask, or None to open the catalog: ``--ckptd-url``; else ``$CKPTD_URL`` unless
-    ``--db`` names a catalog on the command line (the more specific wish wins)."""
+def daemon_url(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(the daemon to ask or None to open the catalog, whether it was found by its advertisement):
+    ``--ckptd-url``; none with ``--no-daemon``; else ``$CKPTD_URL`` unless ``--db`` names a catalog
+    on the command line (the more specific wish wins); else the daemon advertising the named
+    catalog on this machine."""
     url = getattr(args, "ckptd_url", None)
+    db = getattr(args, "db", None)
     if url:
-        if getattr(args, "db", None):
+        if db:
             err = CkptdError("give --db or --ckptd-url, not both",
                              hint="--db reads a catalog directly; --ckptd-url asks the daemon serving one")
             err.code = "usage"
             raise err
-        return url
-    if getattr(args, "db", None):
-        return None
-    return os.environ.get("CKPTD_URL") or None
+        if getattr(args, "no_daemon", False):
+            err = CkptdError("give --ckptd-url or --no-daemon, not both")
+            err.code = "usage"
+            raise err
+        return url, False
+    if getattr(args, "no_daemon", False):
+        return None, False
+    if not db and os.environ.get("CKPTD_URL"):
+        return os.environ["CKPTD_URL"], False
+    from ckptd import advert
+    from ckptd.configfile import catalog_url
+
+    found = advert.find(catalog_url(db))
+    return found, found is not None
 
 
 @contextlib.contextmanager
-def reader(args: argparse.Namespace, write: bool = False) -> Iterator[DaemonReader | CatalogReader]:
+def reader(args: argparse.Namespace, write: bool = False) -> Iterator[DaemonReader | CatalogReader | AdvertisedReader]:
     """The source of a command's answers (``write``: the catalog session commits, e.g. a resume lease)."""
-    url = daemon_url(args)
-    if url is not None:
+    url, advertised = daemon_url(args)
+    if url is not None and not advertised:
         yield DaemonReader(url)
         return
-    from ckptd.cli.catalog_cmds import catalog_sessions
+    with contextlib.ExitStack() as stack:
 
-    settings, sessions = catalog_sessions(args)
-    with (sessions.begin() if write else sessions()) as s:
-        yield CatalogReader(settings, s)
+        def open_catalog() -> CatalogReader:
+            from ckptd.cli.catalog_cmds import catalog_sessions
+
+            settings, sessions = catalog_sessions(args)
+            return CatalogReader(settings, stack.enter_context(sessions.begin() if write else sessions()))
+
+        yield AdvertisedReader(DaemonReader(url), open_catalog) if url is not None else open_catalog()
 
 
 class DaemonReader:
@@ -125,6 +149,9 @@ class DaemonReader:
                 raise DaemonError(f"the daemon at {self.url} answered HTTP {err.code} to GET {path}") from None
             if detail.get("code") == "no_restorable_step":
                 raise NoAnswer(detail) from None
+            if detail.get("code") in ("unauthorized", "forbidden"):
+                raise DaemonError(f"the daemon at {self.url} refused GET {path}: {detail.get('message')}",
+                                  hint="set $CKPTD_TOKEN to a token of its read scope, or give --db") from None
             # ckptd's own refusal (no such run, a bad state, a token's scope): what the catalog would say
             raise CkptdError(str(detail.get("message") or f"HTTP {err.code}"), hint=detail.get("hint")) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
@@ -134,6 +161,38 @@ class DaemonReader:
             return json.loads(raw)
         except ValueError:
             raise DaemonError(f"the daemon at {self.url} answered GET {path} with something that is not JSON") from None
+
+
+class AdvertisedReader:
+    """The daemon found by its advertisement, and the catalog once that daemon cannot be asked
+    (ckptd's own answers -- no such run, nothing restorable -- are answers, not a reason to fall back)."""
+
+    def __init__(self, daemon: DaemonReader, open_catalog: Callable[[], CatalogReader]) -> None:
+        self.daemon, self.open_catalog = daemon, open_catalog
+        self.catalog: CatalogReader | None = None
+
+    def ask(self, name: str, *a: Any) -> Any:
+        if self.catalog is None:
+            try:
+                return getattr(self.daemon, name)(*a)
+            except DaemonError:
+                self.catalog = self.open_catalog()
+        return getattr(self.catalog, name)(*a)
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        return self.ask("list_runs")
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self.ask("list_nodes")
+
+    def list_steps(self, run: str, state: str | None) -> list[dict[str, Any]]:
+        return self.ask("list_steps", run, state)
+
+    def resume(self, run: str, args: argparse.Namespace) -> dict[str, Any]:
+        return self.ask("resume", run, args)
+
+    def allow_hardlinks(self) -> bool:
+        return self.ask("allow_hardlinks")
 
 
 class CatalogReader:

@@ -259,14 +259,21 @@ class FlashWriter:
             pass
 
 
-def load_into(path: str, targets: dict[str, np.ndarray]) -> memslot.Table:
+def load_into(path: str, targets: dict[str, np.ndarray], *, verified: str | None = None) -> memslot.Table:
     """Copy the committed snapshot in slot ``path`` into ``targets`` (name -> writable C-contiguous
     array, e.g. a MindSpore parameter's ``asnumpy()`` view on the CPU). Every name, shape and dtype
-    is checked before a byte is copied. The digest is computed in the same pass as the copy (each
-    chunk hashed, then copied while it is in the cache: one read of the slot): a damaged snapshot
-    or one overwritten meanwhile raises :class:`~ckptd.storage.memslot.SlotError` *after* the
-    parameters were written, so a caller must not train on after that error (restore() raises it
-    out of the job, which then restarts from what the oracle answers next)."""
+    is checked before a byte is copied.
+
+    ``verified``: the digest the node's daemon computed when it catalogued this copy (the resume
+    answer's ``digest`` of the shard). When the slot's header carries that same digest, the daemon's
+    verdict covers these bytes and the load is a plain copy (one read of the slot, at memcpy speed):
+    the daemon re-hashes slots every ``memory_scrub_after`` seconds, which is the file tier's trust
+    model too (a launcher does not re-hash a verified file before loading it). Without it, the
+    digest is computed in the same pass as the copy (each chunk hashed, then copied while it is in
+    the cache). Either way the commit word is checked after the copy: a snapshot overwritten
+    meanwhile, or damaged, raises :class:`~ckptd.storage.memslot.SlotError` *after* the parameters
+    were written, so a caller must not train on after that error (restore() raises it out of the
+    job, which then restarts from what the oracle answers next)."""
     snap = memslot.open_snapshot(path, uid=os.geteuid())
     if snap is None:
         raise memslot.SlotError(f"{path}: holds no committed snapshot", hint="resume from the files instead")
@@ -278,6 +285,14 @@ def load_into(path: str, targets: dict[str, np.ndarray]) -> memslot.Table:
         if missing or wrong:
             raise memslot.SlotError(f"{path}: the snapshot does not match this model: missing {missing[:3]}, "
                                     f"other shape or dtype {wrong[:3]}")
+        if verified is not None and verified == snap.digest:
+            for e, v in snap.views():
+                if e.name in targets:
+                    np.copyto(targets[e.name].reshape(-1).view(np.uint8), np.frombuffer(v, np.uint8))
+                v.release()
+            if not snap.still_committed():
+                raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
+            return snap.table
         hasher = snap.hasher()
         for e, v in snap.views():
             dst = targets[e.name].reshape(-1).view(np.uint8) if e.name in targets else None

@@ -204,25 +204,27 @@ class CkptdCallback(Callback):
         with open(resume_file) as fh:
             answer = json.load(fh)
         self._check_rank()
-        mine = [s["path"] for s in answer.get("shards", []) if int(s["rank"]) == self.rank]
-        if len(mine) != 1:
-            raise RuntimeError(f"{resume_file}: the resume answer has {len(mine)} shards for rank {self.rank}")
-        loaded = _load_slot(mine[0]) if answer.get("tier") == "memory" else ms.load_checkpoint(mine[0])
+        shard = [s for s in answer.get("shards", []) if int(s["rank"]) == self.rank]
+        if len(shard) != 1:
+            raise RuntimeError(f"{resume_file}: the resume answer has {len(shard)} shards for rank {self.rank}")
+        mine = shard[0]["path"]
+        loaded = (_load_slot(mine, shard[0].get("digest")) if answer.get("tier") == "memory"
+                  else ms.load_checkpoint(mine))
         for cell in cells:
             names = [p.name for p in cell.get_parameters()]  # type: ignore[attr-defined]
             missing = [n for n in names if n not in loaded]
             if missing:  # a checkpoint of another model must not leave this one half-overwritten
-                raise RuntimeError(f"{mine[0]} does not match {type(cell).__name__}: no {missing[:3]}")
+                raise RuntimeError(f"{mine} does not match {type(cell).__name__}: no {missing[:3]}")
         for cell in cells:
             ms.load_param_into_net(cell, loaded)
-        step = self._saved_step(loaded, answer, mine[0])
+        step = self._saved_step(loaded, answer, mine)
         initial_epoch = 0
         if dataset is not None:
             per_epoch = int(dataset.get_dataset_size())  # type: ignore[attr-defined]
             initial_epoch, in_epoch = divmod(step, per_epoch)
             if in_epoch:
                 dataset.set_init_step(in_epoch)  # type: ignore[attr-defined]  # skip what the epoch consumed
-        self.resume_step, self.resumed_from = step, mine[0]
+        self.resume_step, self.resumed_from = step, mine
         self._initial_epoch = initial_epoch if dataset is not None else None
         self._step = step
         self._beat(step, "starting")
@@ -433,15 +435,17 @@ def _save_entries(network: object, ckpt: ModelCheckpoint, epoch: int, step: int)
     return tensors, values, [n for n, _ in tensors[:len(seen)]] + list(append)
 
 
-def _load_slot(path: str) -> dict:
+def _load_slot(path: str, verified: str | None) -> dict:
     """A memory-tier slot as ``mindspore.load_checkpoint`` would give the file: name -> Parameter
-    (the digest and the commit word checked before anything is handed over)."""
+    (the digest and the commit word checked before anything is handed over; the digest is not
+    computed again when the slot still carries the one its daemon ``verified``, as for
+    :func:`ckptd.integrations.flash.load_into`)."""
     import numpy as np
 
     from ckptd.storage import memslot
 
     snap = memslot.open_snapshot(path, uid=os.geteuid())
-    if snap is None or not snap.verify():
+    if snap is None or not (verified is not None and verified == snap.digest or snap.verify()):
         raise RuntimeError(f"{path}: holds no whole snapshot any more (overwritten?): resume from the files")
     try:
         out: dict = {}

@@ -31,7 +31,7 @@ from ckptd.storage import memslot
 #: the tiers an answer may come from unless the asker says otherwise
 DEFAULT_TIERS = (Tier.FILE, Tier.MEMORY, Tier.OBJECT)
 
-MemoryCopies = dict[int, list[tuple[int, str, str]]]
+MemoryCopies = dict[int, list[copies.WholeCopy]]
 
 
 def other_tier_steps(s: Session, run_id: int, dead: set[str], tiers: tuple[Tier, ...], world_size: int | None,
@@ -54,13 +54,14 @@ def with_memory(steps: list[StepInfo], mem: MemoryCopies) -> list[StepInfo]:
             else i for i in steps]
 
 
-def memory_shards(entries: list[tuple[int, str, str]], memory_root: str) -> list[dict]:
-    """The answer's shards of a memory step: each rank's slot, on its node, at the memory root."""
-    return [{"rank": rank, "path": memslot.path_of(memory_root, loc), "location": loc, "node": node,
-             "tier": Tier.MEMORY.value} for rank, loc, node in entries]
+def memory_shards(entries: list[copies.WholeCopy], memory_root: str) -> list[dict]:
+    """The answer's shards of a memory step: each rank's slot, on its node, at the memory root, and
+    the digest its daemon verified (a loader whose slot still carries it need not hash it again)."""
+    return [{"rank": c.rank, "path": memslot.path_of(memory_root, c.location), "location": c.location,
+             "node": c.node, "digest": c.digest, "tier": Tier.MEMORY.value} for c in entries]
 
 
-def object_answer(entries: list[tuple[int, str, str]], run_name: str, run_path: str, step: int,
+def object_answer(entries: list[copies.WholeCopy], run_name: str, run_path: str, step: int,
                   incarnation: int | None) -> dict:
     """The answer's fields for a step restored from the object tier: each rank's object, the path
     its file is fetched to (``<run>/<step>/`` of the key is the run directory), the manifest."""
@@ -69,7 +70,7 @@ def object_answer(entries: list[tuple[int, str, str]], run_name: str, run_path: 
     marker = f"/{objmanifest.step_dir(run_name, step, incarnation)}/"
     shards = []
     manifest = None
-    for rank, loc, node in entries:
+    for rank, loc, node, _ in entries:
         base, _, rel = loc.partition(marker)
         manifest = f"{base}{marker}{objmanifest.MANIFEST_NAME}"
         shards.append({"rank": rank, "path": os.path.join(run_path, rel), "location": loc, "node": node,
