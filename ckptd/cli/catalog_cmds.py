@@ -48,6 +48,9 @@ def register(sub: Any) -> None:
     r.add_argument("--world-size", type=int, help="target world size (says whether a conversion is needed)")
     r.add_argument("--skip-spikes", action="store_true", help="skip steps from the first loss spike on")
     r.add_argument("--no-lease", action="store_true", help="do not protect the answer from retention")
+    r.add_argument("--tiers", default="file,object", metavar="T[,T]",
+                   help="the tiers the answer may come from: file, object, memory (default file,object: a memory "
+                        "snapshot is loadable only by the job's own ranks on their node, which `ckptd launch` asks for)")
     r.add_argument("--repair-tracker", action="store_true",
                    help="Checkpoint 2.0: rewrite latest_checkpointed_iteration.txt (atomically) to the answered "
                         "iteration, for a MindFormers launch that loads the checkpoint directory unmodified")
@@ -231,6 +234,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise
     lines = [f"resume run {doc['run']} at step {doc['step']} (epoch {doc['epoch']}, {len(doc['shards'])} shards)",
              f"strategy: {doc['strategy_file'] or '-'}"]
+    if doc.get("tier", "file") != "file":
+        lines.append(f"tier: {doc['tier']}" + (f" (manifest {doc['manifest']}; `ckptd fetch --run {doc['run']} "
+                                                  f"--step {doc['step']}` downloads it)" if doc.get("manifest") else ""))
     if doc.get("reason"):
         lines.append(f"NOTE: {doc['reason']}")  # e.g. "layout unchecked: …": restorable, not fully proven
     if doc.get("incarnation"):

@@ -121,7 +121,7 @@ class DaemonReader:
     def resume(self, run: str, args: argparse.Namespace) -> dict[str, Any]:
         query = {"max_step": args.max_step, "world_size": args.world_size,
                  "skip_spikes": "true" if args.skip_spikes else None, "lease": "false" if args.no_lease else None,
-                 "exclude_unreachable": "true" if args.exclude_unreachable else None}
+                 "exclude_unreachable": "true" if args.exclude_unreachable else None, "tiers": args.tiers}
         return self._get(f"/v1/runs/{_quote(run)}/resume", {k: v for k, v in query.items() if v is not None})
 
     def allow_hardlinks(self) -> bool:
@@ -219,9 +219,16 @@ class CatalogReader:
     def resume(self, run: str, args: argparse.Namespace) -> dict[str, Any]:
         from ckptd.service.resume import NoRestorableStepError, ResumeOptions, resume
 
+        from ckptd.states import Tier
+
+        try:
+            tiers = tuple(Tier(t) for t in dict.fromkeys(args.tiers.split(",")))
+        except ValueError:
+            raise CkptdError(f"--tiers {args.tiers!r}: the tiers are file, memory and object") from None
         opts = ResumeOptions(args.max_step, args.world_size, args.skip_spikes, lease=not args.no_lease,
                              exclude_unreachable=args.exclude_unreachable, node_timeout=self.settings.node_timeout,
-                             hardlinks=self.settings.allow_hardlinks)
+                             hardlinks=self.settings.allow_hardlinks, tiers=tiers,
+                             memory_root=str(self.settings.memory_root) if self.settings.memory_root else None)
         try:
             return resume(self.s, run, opts)
         except NoRestorableStepError as err:

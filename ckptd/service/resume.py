@@ -123,10 +123,12 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     if mem and opts.split is not None:  # a slot holds the saved split's slices: no conversion from RAM
         mem = {k: v for k, v in mem.items() if not _needs_conversion(s, k, opts.split, opts.hardlinks, run.path)}
     other = {**obj, **mem}  # the policy sees both alike; the answer below says which tier
-    steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts), other)
+    files = _mark_unreachable(s, step_infos(s, run.id, now, limit=_FIRST_BATCH), dead, opts)
+    steps = resume_tiers.with_memory(files, other)
     decision = policy.decide(steps, health)
     if decision.chosen is None and len(steps) == _FIRST_BATCH:
-        steps = resume_tiers.with_memory(_mark_unreachable(s, step_infos(s, run.id, now), dead, opts), other)
+        files = _mark_unreachable(s, step_infos(s, run.id, now), dead, opts)
+        steps = resume_tiers.with_memory(files, other)
         decision = policy.decide(steps, health)
     skipped = [{"step": step, "reason": reason} for step, reason in decision.skipped]
     if decision.chosen is None:
@@ -173,14 +175,17 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
         "conversion": None,
         "mindformers": mindformers_block(layout, run.path, dict(shards), ckpt) if layout.mindformers_resume else None,
     }
-    if ckpt.id in obj and ckpt.state != StepState.VERIFIED.value and ckpt.id not in mem:
+    # whether the step's files can be answered is the policy's view of them (an unreachable node's
+    # files are not, with exclude_unreachable), not the row's state
+    files_whole = any(i.id == ckpt.id and i.state == StepState.VERIFIED.value for i in files)
+    if ckpt.id in obj and not files_whole and ckpt.id not in mem:
         answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, ckpt.global_step if ckpt.global_step is not None else ckpt.step,
                                                  ckpt.incarnation))
         return answer
     if ckpt.id in mem:
         # the restart loads from RAM; a step whose files are whole too keeps them as the fallback
         answer.update(tier=Tier.MEMORY.value, shards=resume_tiers.memory_shards(mem[ckpt.id], opts.memory_root or ""),
-                      unreachable_nodes=[], mindformers=None, files_whole=ckpt.state == StepState.VERIFIED.value)
+                      unreachable_nodes=[], mindformers=None, files_whole=files_whole)
         return answer
     if layout.iterations:
         return _iteration_answer(answer, store, run.path, ckpt, rows, steps, s)
