@@ -144,6 +144,12 @@ def test_the_health_curve_breaks_at_non_finite_values_and_keeps_spikes_when_thin
     thinned = page_svg.thin(points)
     assert len(thinned) <= page_svg.MAX_POINTS and (7777, 50.0) in thinned
     assert "no grad norm reported" in page_svg.curve("grad norm", [(1, None)], [], (0, 1))
+    # 20,000 steps, every other one a loss-scale overflow: one marker per few pixels, not 10,000
+    flaky = [(i, float("inf") if i % 2 else 1.0 + i * 1e-5) for i in range(20_000)]
+    svg = page_svg.curve("loss", flaky, [], (0, 19_999))
+    markers = svg.count('fill="#d93025"')
+    assert 0 < markers <= 1200 // page_svg.BAD_MARK_PX + 1 and "not finite at" in svg and len(svg) < 400_000, \
+        (markers, len(svg))
 
 
 # --- the page of a live server, in a real browser ----------------------------------------------------

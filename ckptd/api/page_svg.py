@@ -69,6 +69,10 @@ def legend() -> str:
                    f'{escape(name)}</span>' for name, c in COLOURS.items())
 
 
+#: the width, in pixels, one non-finite marker stands for
+BAD_MARK_PX = 6
+
+
 def thin(points: Sequence[tuple[int, float]], most: int = MAX_POINTS) -> list[tuple[int, float]]:
     """At most ``most`` points: per bucket of consecutive points its lowest and highest (in step order)."""
     if len(points) <= most:
@@ -122,10 +126,17 @@ def curve(name: str, points: Sequence[tuple[int, float | None]], marks: Sequence
             parts.append(f'<circle cx="{sx(st):.1f}" cy="{sy(v):.1f}" r="2" fill="#1a73e8"/>')
         else:
             parts.append(f'<polyline points="{coords}" fill="none" stroke="#1a73e8" stroke-width="1.5"/>')
-    for st, v in bad:
+    # one marker per few pixels: a run with thousands of loss-scale overflows draws a few hundred
+    marked: dict[int, list[tuple[int, float]]] = {}
+    for st, v in sorted(bad):
+        marked.setdefault(int(sx(st) // BAD_MARK_PX), []).append((st, v))
+    for group in marked.values():
+        st, v = group[0]
         x = sx(st)
+        what = (f"{name} is {v} at step {st}" if len(group) == 1 else
+                f"{name} is not finite at {len(group)} steps, {group[0][0]}-{group[-1][0]}")
         parts.append(f'<path d="M{x - 5:.1f},{pad_t} L{x + 5:.1f},{pad_t} L{x:.1f},{pad_t + 9} Z" fill="#d93025">'
-                     f'<title>{escape(f"{name} is {v} at step {st}")}</title></path>')
+                     f'<title>{escape(what)}</title></path>')
     if not finite and not bad:
         parts.append(f'<text x="{pad_l + plot_w / 2}" y="{pad_t + plot_h / 2}" font-size="12" text-anchor="middle">'
                      f'no {escape(name)} reported</text>')

@@ -43,7 +43,7 @@ def overview(request: Request, s: SessionDep, _: ReadScope, refresh: int = _refr
     settings: Settings = request.app.state.settings
     runs = []
     for run in catalog.list_runs(s):
-        facts = _run_facts(s, run["name"], settings)
+        facts = _run_facts(s, run["name"], settings, curves=False)
         runs.append({"run": run, "views": facts["views"], "rpo": facts["rpo"], "linkable": valid_run_name(run["name"])})
     doc = page.overview_page(runs, catalog.list_nodes(s, settings.node_timeout), jobs_svc.list_jobs(s),
                              datetime.now(timezone.utc), refresh)
@@ -64,16 +64,19 @@ def run_page(run: RunName, request: Request, s: SessionDep, _: ReadScope, refres
     return HTMLResponse(html, headers=_HEADERS)
 
 
-def _run_facts(s: Session, name: str, settings: Settings) -> dict[str, Any]:
-    """A run's steps as the page shows them, its recovery point and its health reports."""
-    opts = ResumeOptions(lease=False, node_timeout=settings.node_timeout, hardlinks=settings.allow_hardlinks)
+def _run_facts(s: Session, name: str, settings: Settings, curves: bool = True) -> dict[str, Any]:
+    """A run's steps as the page shows them, its recovery point and (``curves``: the run's own
+    page) its health reports; the overview reads only the newest reported step."""
+    opts = ResumeOptions(lease=False, node_timeout=settings.node_timeout, hardlinks=settings.allow_hardlinks,
+                         memory_root=str(settings.memory_root) if settings.memory_root is not None else None)
     try:
         answer: dict[str, Any] | None = resume(s, name, opts)
         skipped = answer["skipped"]
     except NoRestorableStepError as err:
         answer, skipped = None, getattr(err, "skipped", [])
     views = page.step_views(catalog.list_steps(s, name, None, STEPS_SHOWN), skipped)
+    run_id = catalog.get_run(s, name).id
     health = [{"step": step, "loss": loss, "grad_norm": gn, "overflow": ov}
-              for step, loss, gn, ov in catalog.health_rows(s, catalog.get_run(s, name).id)]
-    newest = max((h["step"] for h in health), default=None)
+              for step, loss, gn, ov in catalog.health_rows(s, run_id)] if curves else []
+    newest = max((h["step"] for h in health), default=None) if curves else catalog.newest_reported_step(s, run_id)
     return {"views": views, "health": health, "rpo": page.rpo(answer, views, newest, datetime.now(timezone.utc))}

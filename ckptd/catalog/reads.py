@@ -135,6 +135,11 @@ def health_values(s: Session, run_id: int) -> list[tuple[Any, ...]]:
     )]
 
 
+def newest_health_step(s: Session, run_id: int) -> int | None:
+    """The newest step a health report exists for (the status page's "steps since" without the rows)."""
+    return s.execute(select(func.max(StepHealth.step)).where(StepHealth.run_id == run_id)).scalar()
+
+
 def delete_health(s: Session, run_id: int, from_step: int | None) -> tuple[int, int]:
     """Remove the run's health records at or after ``from_step`` (all when None): (removed, of
     them with a non-finite loss)."""

@@ -235,6 +235,10 @@ def _nonfinite(x: float | None) -> str | None:
     return None if x is None or math.isfinite(x) else str(x)
 
 
+def newest_reported_step(s: Session, run_id: int) -> int | None:
+    return reads.newest_health_step(s, run_id)
+
+
 def health_rows(s: Session, run_id: int) -> list[tuple[int, float | None, float | None, bool]]:
     """Every reported step's (step, loss, grad_norm, overflow), NaN/inf restored."""
     rows = reads.health_values(s, run_id)
