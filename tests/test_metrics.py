@@ -196,6 +196,10 @@ def test_recovery_point_per_run_in_seconds_and_steps(served):
     seconds = values["ckptd_recovery_point_seconds"]
     assert set(seconds) == {(("run", "run1"),), (("run", "big"),)}
     assert all(0 <= v <= before_scrape - served.written_at for v in seconds.values()), seconds
+    # a launcher's resume lease touches the step's row: the age of the recovery point goes on growing
+    assert served.read.get("/v1/runs/run1/resume").status_code == 200
+    after = _samples(served.read)["ckptd_recovery_point_seconds"][(("run", "run1"),)]
+    assert after >= seconds[(("run", "run1"),)], (after, seconds)
 
 
 def test_node_liveness_one_alive_zero_unreachable(served):

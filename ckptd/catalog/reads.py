@@ -42,12 +42,13 @@ def step_state_counts(s: Session, run_id: int) -> dict[str, int]:
 
 
 def latest_verified_step(s: Session, run_id: int) -> tuple[int | None, int, int, datetime] | None:
-    """(global step -- the step's own or its verified shards', epoch, file-name step, updated_at) of
+    """(global step -- the step's own or its verified shards', epoch, file-name step, created_at:
+    when it was first seen saved, which no lease renewal or re-verification moves) of
     the run's newest restorable trained step: verified, not marked bad, no health reason (what the
     resume policy skips without the training's health reports), in the resume oracle's order
     (epoch, file-name step, incarnation: ``policy.StepInfo.position``)."""
     row = s.execute(
-        select(shards_step_column(), Checkpoint.epoch, Checkpoint.step, Checkpoint.updated_at)
+        select(shards_step_column(), Checkpoint.epoch, Checkpoint.step, Checkpoint.created_at)
         .where(Checkpoint.run_id == run_id, Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained",
                Checkpoint.marked_bad.is_(False), Checkpoint.health_reason.is_(None))
         .order_by(Checkpoint.epoch.desc(), Checkpoint.step.desc(), func.coalesce(Checkpoint.incarnation, 0).desc())
@@ -105,16 +106,6 @@ def strategy_paths(s: Session, ids: set[int | None]) -> dict[int, str]:
 
 def shard_state_counts(s: Session) -> dict[str, int]:
     return dict(s.execute(select(Shard.state, func.count()).group_by(Shard.state)).all())
-
-
-def latest_verified_at(s: Session) -> list[tuple[str, datetime]]:
-    """(run name, when its newest verified trained step last changed) per run that has one."""
-    return [(name, at) for name, at in s.execute(
-        select(Run.name, func.max(Checkpoint.updated_at))
-        .join(Checkpoint, Checkpoint.run_id == Run.id)
-        .where(Checkpoint.state == StepState.VERIFIED.value, Checkpoint.kind == "trained")
-        .group_by(Run.name)
-    )]
 
 
 # --- training health ---------------------------------------------------------------------------

@@ -51,8 +51,8 @@ def get_step(s: Session, run: Run, step: int, kind: str = "trained") -> Checkpoi
 
 
 def latest_restorable(s: Session, run_id: int) -> tuple[int, datetime] | None:
-    """The run's newest restorable step as users count training (its global step), and when it
-    last changed; None while it has none (``GET /v1/runs``, ``/metrics``' recovery point)."""
+    """The run's newest restorable step as users count training (its global step), and when it was
+    saved (first seen); None while it has none (``GET /v1/runs``, ``/metrics``' recovery point)."""
     latest = reads.latest_verified_step(s, run_id)
     return (_named(latest), latest[3]) if latest else None
 

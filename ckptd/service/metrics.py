@@ -152,10 +152,9 @@ class CatalogCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         seconds = GaugeMetricFamily("ckptd_recovery_point_seconds", "Seconds since each run's newest restorable step "
-                                    "became restorable (RPO).", labels=["run"])
+                                    "was saved (RPO: the training time a restart now would lose; a resume lease or a "
+                                    "re-verification does not reset it).", labels=["run"])
         now = datetime.now(timezone.utc)
-        for name, at in reads.latest_verified_at(s):
-            seconds.add_metric([name], round((now - as_utc(at)).total_seconds(), 3))
         steps = GaugeMetricFamily(
             "ckptd_recovery_point_steps",
             "RPO in training steps, per run: the newest step ckptd has seen saved (in any state: still being "
@@ -170,6 +169,7 @@ class CatalogCollector:
             latest = catalog.latest_restorable(s, run.id)
             if latest is None:
                 continue
+            seconds.add_metric([run.name], round((now - as_utc(latest[1])).total_seconds(), 3))
             newest = catalog.list_steps(s, run.name, limit=1)  # newest first, as GET /v1/runs/{run}/steps
             if newest and newest[0]["training_step"] is not None:
                 steps.add_metric([run.name], max(0, newest[0]["training_step"] - latest[0]))
