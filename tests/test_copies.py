@@ -76,6 +76,10 @@ def test_a_step_is_whole_on_a_tier_when_every_shard_has_a_verified_copy_there(ms
     steps = {x["step"]: x for x in reader.get("/v1/runs/run1/steps").json()}
     assert steps[200]["tiers"] == ["file", "object"]
     assert steps[100]["tiers"] == ["file"]  # rank 1 has no object copy: not whole there
+    # nor with a copy of a rank the step does not have (rank 7 of a 2-rank step): the listing's
+    # rule is the oracle's, ranks 0..n-1 each verified
+    _record(catalog_url, s100[0][0], 7, Tier.OBJECT, "s3://bucket/ckpt/run1/100/rank_7/net-1_100.ckpt")
+    assert {x["step"]: x["tiers"] for x in reader.get("/v1/runs/run1/steps").json()}[100] == ["file"]
 
     doc = reader.get("/v1/runs/run1/steps/200").json()
     assert doc["tiers"] == ["file", "object"]

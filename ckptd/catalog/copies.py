@@ -88,14 +88,18 @@ def of_step(s: Session, ckpt_id: int, shards: list[Shard]) -> dict[int, list[Cop
 
 def whole_tiers(s: Session, steps: list[Checkpoint]) -> dict[int, list[Tier]]:
     """For each step, the tiers it is whole on (file first): one grouped query for all of them.
-    Off the file tier a step is whole when every one of its ``expected_ranks`` has a verified copy."""
+    Off the file tier a step is whole when every rank 0..``expected_ranks``-1 has a verified copy."""
     out: dict[int, list[Tier]] = {c.id: [Tier.FILE] if c.state == StepState.VERIFIED.value else [] for c in steps}
     expected = {c.id: c.expected_ranks for c in steps}
     if not out:
         return out
+    # the rule of whole_steps_on: ranks 0..expected-1 each verified (a stray rank number never
+    # makes up for a missing one, so the listing and the oracle agree)
     held = s.execute(
         select(ShardCopy.checkpoint_id, ShardCopy.tier, func.count(func.distinct(ShardCopy.rank)))
-        .where(ShardCopy.checkpoint_id.in_(list(out)), ShardCopy.state == ShardState.VERIFIED.value)
+        .join(Checkpoint, Checkpoint.id == ShardCopy.checkpoint_id)
+        .where(ShardCopy.checkpoint_id.in_(list(out)), ShardCopy.state == ShardState.VERIFIED.value,
+               ShardCopy.rank >= 0, ShardCopy.rank < Checkpoint.expected_ranks)
         .group_by(ShardCopy.checkpoint_id, ShardCopy.tier)).all()
     extra: dict[int, list[Tier]] = defaultdict(list)
     for ckpt, tier, n in held:
@@ -104,6 +108,15 @@ def whole_tiers(s: Session, steps: list[Checkpoint]) -> dict[int, list[Tier]]:
     for ckpt, tiers in extra.items():
         out[ckpt].extend(sorted(tiers, key=list(Tier).index))
     return out
+
+
+def whole_on(s: Session, ckpt: Checkpoint, tier: Tier) -> bool:
+    """Whether step ``ckpt`` is whole on ``tier`` (not the file tier): the rule of
+    :func:`whole_steps_on` and :func:`whole_tiers`, every rank 0..expected-1 with a verified copy."""
+    held = set(s.execute(select(ShardCopy.rank).where(
+        ShardCopy.checkpoint_id == ckpt.id, ShardCopy.tier == tier.value,
+        ShardCopy.state == ShardState.VERIFIED.value)).scalars())
+    return ckpt.expected_ranks is not None and set(range(ckpt.expected_ranks)) <= held
 
 
 def delete_of_step(s: Session, ckpt_id: int) -> None:
@@ -198,6 +211,6 @@ def whole_steps_on(s: Session, run_id: int, tiers: tuple[Tier, ...], unreachable
         expected[ckpt] = world
     out: dict[Tier, dict[int, list[WholeCopy]]] = defaultdict(dict)
     for (tier, ckpt), by_rank in held.items():
-        if expected[ckpt] is not None and sorted(by_rank) == list(range(expected[ckpt])):
-            out[Tier(tier)][ckpt] = [by_rank[r] for r in sorted(by_rank)]
+        if expected[ckpt] is not None and set(range(expected[ckpt])) <= by_rank.keys():
+            out[Tier(tier)][ckpt] = [by_rank[r] for r in range(expected[ckpt])]
     return dict(out)

@@ -164,10 +164,10 @@ def drop_step(s: Session, ckpt_id: int) -> bool:
 def files_gone_keep(s: Session, ckpt_id: int) -> bool:
     """File retention removed the step's files: when it is whole on the object tier its rows stay
     (state ``deleted``, its object copies untouched) and this returns True."""
-    held = s.execute(select(func.count(func.distinct(ShardCopy.rank))).where(
-        ShardCopy.checkpoint_id == ckpt_id, ShardCopy.tier == _OBJ, ShardCopy.state == ShardState.VERIFIED.value)).scalar()
+    from ckptd.catalog import copies
+
     c = s.get(Checkpoint, ckpt_id)
-    if not held or c.expected_ranks is None or held < c.expected_ranks:
+    if not copies.whole_on(s, c, Tier.OBJECT):
         return False
     c.state = StepState.DELETED.value
     c.reason = "files removed by retention; whole on the object tier"
