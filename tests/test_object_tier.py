@@ -288,3 +288,36 @@ def test_convert_from_the_object_tier_equals_converting_the_files(ms, s3env, tmp
     nowhere = convert("--src", "s3://ckptd/conv/no-such-run/1", "--out", str(out / "none"))
     assert nowhere.returncode == 1 and "no object" in nowhere.stderr and "Traceback" not in nowhere.stderr, nowhere.stderr
     assert sorted(os.listdir(out)) == ["local", "s3"]
+
+
+def test_mindformers_per_rank_strategy_files_go_up_with_the_step_and_come_back(ms, s3env, tmp_path):
+    """A MindFormers run (tp=2, pp=2: four per-rank strategy files, one stage each): the files of
+    ``strategy/`` go up with the step, each with its rank, are named by the manifest, and ``ckptd
+    fetch`` brings back the whole tree, byte for byte."""
+    from mf_fixtures import MFJob
+
+    from ckptd.storage import objmanifest
+    from ckptd.storage.s3 import ObjectStore
+
+    cfg = settings(tmp_path, "mf")
+    run = "mfjob"
+    job = MFJob(cfg.root / run, tp=2, dp=1, pp=2)
+    with Server(cfg) as srv, srv.client() as c:
+        job.strategy_files()
+        job.save(1)
+        wait(lambda: "object" in step_tiers(c, run).get(1, []), what="the MindFormers step on the object tier")
+    store = ObjectStore("s3://ckptd/mf")
+    doc = objmanifest.read(store, objmanifest.manifest_key(run, 1, None))
+    assert doc["layout"] == "mindformers"
+    assert {o["path"]: o["rank"] for o in doc["objects"] if o["role"] == "strategy"} == \
+        {f"strategy/ckpt_strategy_rank_{r}.ckpt": r for r in range(4)}
+    assert sorted(o["rank"] for o in doc["objects"] if o["role"] == "shard") == [0, 1, 2, 3]
+
+    dest = tmp_path / "fetched"
+    out = subprocess.run([sys.executable, "-m", "ckptd", "fetch", "--run", run, "--step", "1", "--to", str(dest),
+                          "--object-store", "s3://ckptd/mf"], env=dict(os.environ), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    originals = {str(p.relative_to(cfg.root / run)) for p in (cfg.root / run).rglob("*.ckpt")}
+    assert set(tree(dest)) == originals
+    for rel, data in tree(dest).items():
+        assert data == (cfg.root / run / rel).read_bytes(), rel
