@@ -79,8 +79,10 @@ def test_job_resumes_from_the_object_tier_after_its_root_is_wiped(s3, tmp_path, 
         wait_for(lambda: (t := step_tiers(client, run)) and all("object" in t.get(s, []) for s in (3, 6)) and t,
                  timeout=400, interval=0.5, what="steps 3 and 6 committed on the object tier while the job runs")
         assert launcher.poll() is None, "the job ended before its steps were on the object tier"
-        beat = json.loads((run_dir / "heartbeat" / "rank_1.json").read_text())
-        assert beat["step"] == 7 and beat["attempt"] == 0  # rank 1 is still in the job, hung at step 7
+        # rank 1 is still in the job, hung at step 7 (its heartbeat says so once it got there)
+        wait_for(lambda: json.loads((run_dir / "heartbeat" / "rank_1.json").read_text())["step"] == 7, timeout=60,
+                 interval=0.2, what="rank 1 hung at step 7")
+        assert launcher.poll() is None
 
         # the machines are lost: the job is stopped and the checkpoint root wiped (the catalog stays)
         launcher.send_signal(signal.SIGTERM)  # the launcher stops every rank before it exits
@@ -91,6 +93,8 @@ def test_job_resumes_from_the_object_tier_after_its_root_is_wiped(s3, tmp_path, 
         # launcher starts a job only in a directory a daemon it can ask watches)
         wait_for(lambda: any(p.name.startswith(".ckptd-node-") for p in root.iterdir()), timeout=60, interval=0.2,
                  what="the daemon's node marker written again")
+        wait_for(lambda: step_tiers(client, run).get(6) == ["object"], timeout=60, interval=0.2,
+                 what="step 6 held by the object tier only")
 
         # the same command again: ckptd answers step 6 from the object tier, the launcher fetches it
         launcher = subprocess.Popen(launch_cmd(run_dir, str(client.base_url)), cwd=th.REPO, env=env,
