@@ -8,7 +8,8 @@ run against one server:
   obstore   obstore's ``put`` of a Path / ``get`` streamed to a file, defaults (the raw client)
   ckptd     ``ckptd.storage.s3.ObjectStore``: ``put_file`` (multipart, 8 MiB parts, 4 in flight)
             *plus* the read-back that verifies it (``digest``: ranged GETs, xxh3-128), counted in
-            the upload time; ``get_file`` (parallel ranged GETs, hashed, temp + fsync + rename)
+            the upload time; ``download`` (parallel ranged GETs, hashed) into
+            ``PosixStorage.create`` (confined temp, fsync, rename), as ``ckptd fetch`` writes
 
 Files go one after another in every mode (a node uploads its ranks through one store). Throughput
 is bytes / wall time; peak RSS is the child's ``ru_maxrss``. ``ckptd`` also runs at a quarter of the
@@ -85,8 +86,12 @@ def child(mode: str, src: str, dst: str, bucket: str, prefix: str) -> dict:
             digests[f] = (size, store.digest(f, size))  # the read-back that proves the upload
         out["up_s"] = time.perf_counter() - t
         t = time.perf_counter()
+        from ckptd.storage import PosixStorage
+
+        below = PosixStorage(os.path.dirname(dst))  # as ckptd fetch writes: confined temp, fsync, rename
         for f in files:
-            store.get_file(f, os.path.join(dst, f), *digests[f])
+            with below.create(os.path.join(dst, f), overwrite=True) as fh:
+                store.download(f, fh, *digests[f])
         out["down_s"] = time.perf_counter() - t
     out["rss_peak"] = rss_mib()  # before the comparison below, which reads buffers of its own
     for f in files:  # every mode must have moved the same bytes

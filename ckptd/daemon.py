@@ -159,12 +159,14 @@ class Daemon:
             self._gc_thread.start()
 
     def _heartbeat_loop(self) -> None:
-        """Tell the other daemons this node is alive, and do this node's part of deletions that
-        another node's gc started (each node deletes only its own files)."""
+        """Tell the other daemons this node is alive (and whoever looks in the root: the marker is
+        written again if the root was wiped), and do this node's part of deletions that another
+        node's gc started (each node deletes only its own files)."""
         while not self._stopping.wait(self.settings.heartbeat_interval):
             try:
                 with self.sessions.begin() as s:
                     node_registry.heartbeat(s, self.settings.node_name)
+                node_registry.renew_marker(str(self.settings.root), self.settings.node_name)
                 finish_pending(self.sessions, self.store, owner=self.nodes.owner())
                 # a job of another node's dead process shows up only after node_timeout
                 recover_abandoned(self.sessions, self.store, timeout=self.settings.node_timeout,

@@ -26,6 +26,26 @@ def ms_save(ms, path, tensors, **kwargs):
     return path
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_tp2(tmp_path_factory):
+    """The uninterrupted tp=2 run of ``trainer_helpers.SAVES_3_6_8`` (its run directory), which
+    resumed runs of the same job are compared with bitwise; one per session, shared by modules."""
+    from tests import trainer_helpers as th
+
+    return th.reference_run(tmp_path_factory, 2, 1, *th.SAVES_3_6_8)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 server (SeaweedFS, tests/seaweed.py) with the bucket ``ckptd``, for the session;
+    each test uses its own key prefix."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(buckets=("ckptd",)).start()
+    yield server
+    server.close()
+
+
 @pytest.fixture
 def root(tmp_path):
     """An empty checkpoint root (what ``ckptd serve --root`` watches)."""

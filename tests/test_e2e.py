@@ -27,7 +27,7 @@ from trainer.oracle import committed_steps, wait_settled
 from trainer.scan_resume import shard_intact
 from tests.api_helpers import free_port, stop_process
 
-STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
+STEPS = th.SAVES_3_6_8  # saves at steps 3, 6, 8; the shared reference run (conftest) is of these
 REPORT, ADMIN = "e2e-report-token", "e2e-admin-token"
 
 
@@ -86,9 +86,9 @@ def ckptd(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
+def ref(uninterrupted_tp2):
     """The same job without any failure (outside ckptd's root; the stand-in oracle is never asked)."""
-    return th.reference_run(tmp_path_factory, 2, 1, *STEPS)
+    return uninterrupted_tp2
 
 
 def launch(server: Ckptd, run_dir: Path, *train_args: str, faults: tuple[str, ...] = (),

@@ -28,7 +28,7 @@ from tests.daemon_helpers import wait_for
 from trainer.oracle import OracleError, OracleUnavailable, ask_http, check_ready, wait_settled
 from tests.api_helpers import free_port, stop_process
 
-STEPS = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]  # saves at steps 3, 6, 8
+STEPS = th.SAVES_3_6_8  # saves at steps 3, 6, 8; the shared reference run (conftest) is of these
 TOKEN = "retry-report-token"
 
 
@@ -118,9 +118,9 @@ class Launcher:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
+def ref(uninterrupted_tp2):
     """The same job without any failure or ckptd (the stand-in oracle is never asked)."""
-    return th.reference_run(tmp_path_factory, 2, 1, *STEPS)
+    return uninterrupted_tp2
 
 
 def assert_same_losses_and_shards(ref_dir: Path, got_dir: Path, final: int = 8) -> None:

@@ -24,13 +24,6 @@ from daemon_helpers import fast_settings, migrated_sqlite, save_tp_step
 from seaweed import SeaweedServer
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = SeaweedServer(buckets=("ckptd",)).start()
-    yield server
-    server.close()
-
-
 @pytest.fixture
 def s3env(s3, monkeypatch):
     for k, v in s3.env().items():
@@ -251,3 +244,80 @@ def test_retention_across_tiers(ms, s3env, tmp_path):
         assert tiers.get(3) and "file" in tiers[3]
         ans = c.get(f"/v1/runs/{run}/resume", params={"max_step": 2}).json()
         assert ans["tier"] == "object" and ans["step"] == 2
+
+
+def tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_convert_from_the_object_tier_equals_converting_the_files(ms, s3env, tmp_path):
+    """``ckptd convert --src s3://…/RUN/STEP`` fetches the step (checked against its manifest) next to
+    --out, converts it with the step's own strategy file, removes the copy: the written set is the
+    one converting the local files gives, byte for byte. A tampered object: refused, nothing written."""
+    from ckptd.storage.s3 import ObjectStore
+
+    cfg = settings(tmp_path, "conv")
+    run = "job"
+    with Server(cfg) as srv, srv.client() as c:
+        save_tp_step(ms, cfg.root, run, 1)
+        wait(lambda: "object" in step_tiers(c, run).get(1, []), what="step 1 on the object tier")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def convert(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ckptd", "convert", "--to-layout", "tp=1,dp=1", *args],
+                              env=dict(os.environ), capture_output=True, text=True)
+
+    local = convert("--src", str(cfg.root / run), "--src-strategy", str(cfg.root / run / "strategy.ckpt"),
+                    "--out", str(out / "local"))
+    assert local.returncode == 0, local.stderr
+    remote = convert("--src", f"s3://ckptd/conv/{run}/1", "--out", str(out / "s3"))
+    assert remote.returncode == 0, remote.stderr
+    assert tree(out / "s3") == tree(out / "local")
+    assert {"rank_0/checkpoint_0.ckpt", "strategy_tp1_dp1_pp1.ckpt", "ckptd-manifest.json"} <= set(tree(out / "s3"))
+    assert sorted(os.listdir(out)) == ["local", "s3"]  # the fetched copy is gone
+
+    store = ObjectStore("s3://ckptd/conv")
+    key = f"{run}/1/rank_1/net-1_1.ckpt"
+    data = bytearray(store.get_bytes(key, 1 << 30))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(key, bytes(data))
+    bad = convert("--src", f"s3://ckptd/conv/{run}/1/ckptd-manifest.json", "--out", str(out / "bad"))
+    assert bad.returncode == 1 and "does not match its manifest" in bad.stderr and "Traceback" not in bad.stderr
+    assert sorted(os.listdir(out)) == ["local", "s3"]
+    nowhere = convert("--src", "s3://ckptd/conv/no-such-run/1", "--out", str(out / "none"))
+    assert nowhere.returncode == 1 and "no object" in nowhere.stderr and "Traceback" not in nowhere.stderr, nowhere.stderr
+    assert sorted(os.listdir(out)) == ["local", "s3"]
+
+
+def test_mindformers_per_rank_strategy_files_go_up_with_the_step_and_come_back(ms, s3env, tmp_path):
+    """A MindFormers run (tp=2, pp=2: four per-rank strategy files, one stage each): the files of
+    ``strategy/`` go up with the step, each with its rank, are named by the manifest, and ``ckptd
+    fetch`` brings back the whole tree, byte for byte."""
+    from mf_fixtures import MFJob
+
+    from ckptd.storage import objmanifest
+    from ckptd.storage.s3 import ObjectStore
+
+    cfg = settings(tmp_path, "mf")
+    run = "mfjob"
+    job = MFJob(cfg.root / run, tp=2, dp=1, pp=2)
+    with Server(cfg) as srv, srv.client() as c:
+        job.strategy_files()
+        job.save(1)
+        wait(lambda: "object" in step_tiers(c, run).get(1, []), what="the MindFormers step on the object tier")
+    store = ObjectStore("s3://ckptd/mf")
+    doc = objmanifest.read(store, objmanifest.manifest_key(run, 1, None))
+    assert doc["layout"] == "mindformers"
+    assert {o["path"]: o["rank"] for o in doc["objects"] if o["role"] == "strategy"} == \
+        {f"strategy/ckpt_strategy_rank_{r}.ckpt": r for r in range(4)}
+    assert sorted(o["rank"] for o in doc["objects"] if o["role"] == "shard") == [0, 1, 2, 3]
+
+    dest = tmp_path / "fetched"
+    out = subprocess.run([sys.executable, "-m", "ckptd", "fetch", "--run", run, "--step", "1", "--to", str(dest),
+                          "--object-store", "s3://ckptd/mf"], env=dict(os.environ), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    originals = {str(p.relative_to(cfg.root / run)) for p in (cfg.root / run).rglob("*.ckpt")}
+    assert set(tree(dest)) == originals
+    for rel, data in tree(dest).items():
+        assert data == (cfg.root / run / rel).read_bytes(), rel

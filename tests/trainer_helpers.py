@@ -14,6 +14,9 @@ from ckptd import runlayout
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: tiny model/schedule shared by every multi-step case (the schedule must not depend on layout)
 TINY = ["--hidden", "32", "--heads", "4", "--ffn", "64", "--layers", "2", "--seq", "16", "--warmup", "3"]
+#: the schedule the launch tests share (saves at steps 3, 6, 8); its uninterrupted tp=2 run is the
+#: session fixture ``uninterrupted_tp2`` (tests/conftest.py), computed once for every module using it
+SAVES_3_6_8 = ["--steps", "8", "--save-every", "3", "--micro-batch", "4"]
 
 
 def env() -> dict[str, str]:

@@ -86,6 +86,17 @@ def write_marker(root: str, name: str) -> None:
                     root, err.strerror)
 
 
+def renew_marker(root: str, name: str) -> bool:
+    """Write this node's marker again when it is gone from its root (the root wiped under a running
+    daemon: the launcher would otherwise refuse to start a job there, ``ckptd.launcher.freshstart``).
+    True when it was written."""
+    if os.path.lexists(runlayout.node_marker_path(root, name)):
+        return False
+    log.warning("the node marker in %s was gone (the root wiped?): written again", root)
+    write_marker(root, name)
+    return True
+
+
 def sharing(root: str, names: set[str]) -> frozenset[str]:
     """The nodes among ``names`` whose marker is in ``root`` (a regular file: a symlink planted
     there proves nothing about where its node writes)."""

@@ -10,7 +10,10 @@ Usage (these flags are a public contract; keep them)::
                     as ``mindspore.transform_checkpoints`` expects, or a MindFormers output directory
                     (``<out>`` or ``<out>/checkpoint``: ``rank_<r>/{P}_rank_<r>[_k]-{E}_{S}.ckpt``;
                     ``meta.json`` is never read). Missing ranks are fine while a replica of every
-                    needed slice exists.
+                    needed slice exists. Or ``s3://BUCKET/PREFIX/RUN/STEP``, a step on the object
+                    tier: fetched (every object checked against the step's manifest) into a
+                    temporary directory next to --out, converted from there, removed afterwards;
+                    --src-strategy defaults to the step's own strategy file(s) there.
 --src-strategy OLD  the source job's strategy file (MindSpore protobuf or JSON; pipeline jobs: the
                     merged file), or a DIRECTORY of per-rank strategy files (MindFormers'
                     ``<out>/strategy/``, one stage per file under pipeline parallelism), which is
@@ -75,7 +78,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Re-shard per-rank MindSpore checkpoints from one strategy to another.",
     )
     p.add_argument("--src", metavar="DIR",
-                   help="directory of rank_<r>/ source checkpoints, or a MindFormers output dir")
+                   help="directory of rank_<r>/ source checkpoints, a MindFormers output dir, or a step on the "
+                        "object tier: s3://BUCKET/PREFIX/RUN/STEP")
     p.add_argument("--src-strategy", metavar="OLD",
                    help="source strategy file, directory of per-rank strategy files, or 'none' (unsharded)")
     p.add_argument("--run", metavar="R", help="instead of --src: a catalogued run (with --step; registers the result)")
@@ -146,6 +150,10 @@ def run_convert(args: argparse.Namespace) -> int:
 
     if args.run:
         return _run_from_catalog(args)
+    from ckptd.cli import convert_s3
+
+    if convert_s3.is_object_url(args.src):
+        return _convert_from_objects(args)
     from ckptd.convert.iteration_source import is_iteration_dir
 
     if not args.src or not (args.src_strategy or is_iteration_dir(args.src)):
@@ -185,6 +193,27 @@ def run_convert(args: argparse.Namespace) -> int:
         if strategy_path:
             print(f"destination strategy: {strategy_path}")
     return EXIT_OK
+
+
+def _convert_from_objects(args: argparse.Namespace) -> int:
+    """``--src s3://...``: the step fetched next to ``--out`` (checked against its manifest), converted
+    from there, the temporary copy removed whatever happens (``ckptd.cli.convert_s3``)."""
+    import contextlib
+
+    from ckptd.cli import convert_s3, progress
+
+    if not args.out:
+        raise _usage("--src s3://... needs --out DIR (also with --plan): the step is fetched next to it first")
+    with contextlib.ExitStack() as stack:
+        with progress.bar(args, f"fetch {args.src}", "B", scale=True) as bar:
+            step = stack.enter_context(convert_s3.fetched(args.src, args.out, progress=bar))
+        if args.src_strategy is None and not step.iteration:
+            if step.strategy is None:
+                raise _usage(f"the step at {args.src} has no strategy file on the object tier: give --src-strategy "
+                             "FILE (or none for one unsharded checkpoint)")
+            args.src_strategy = step.strategy
+        args.src = step.src
+        return run_convert(args)
 
 
 def _run_from_catalog(args: argparse.Namespace) -> int:

@@ -3,8 +3,9 @@
 Reads the step's manifest (``object_store`` from the flag, ``CKPTD_OBJECT_STORE`` or the config
 file; endpoint and credentials from the S3 environment), refuses one naming a path outside the run,
 and downloads every object with parallel ranged GETs into ``DIR`` (default: the run's directory
-under the checkpoint root), each file checked against the manifest's size and xxh3-128 before it is
-renamed in. The catalog is not needed: this works on a machine that has only the bucket.
+under the checkpoint root), each file written through ``PosixStorage`` (confined, atomic) and
+checked against the manifest's size and xxh3-128 before it is renamed in. The catalog is not
+needed: this works on a machine that has only the bucket.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     from ckptd.cli import progress
     from ckptd.errors import CkptdError
     from ckptd.settings import Settings
-    from ckptd.storage import objmanifest
+    from ckptd.storage import PosixStorage, objmanifest
     from ckptd.storage.s3 import ObjectStore
 
     if "/" in args.run or args.run in ("", ".", "..") or args.run.startswith("."):
@@ -38,7 +39,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     settings = Settings(**({"object_store": args.object_store} if args.object_store else {}))
     if settings.object_store is None:
         raise CkptdError("no object store configured", hint="pass --object-store s3://BUCKET/PREFIX or set object_store")
-    dest = os.path.abspath(args.to) if args.to else os.path.join(str(settings.root), args.run)
+    if args.to:  # the operator's own directory: a symlink on the way there is their choice
+        dest = os.path.abspath(args.to)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        files = PosixStorage(os.path.dirname(dest))
+    else:
+        dest, files = os.path.join(str(settings.root), args.run), settings.storage
     store = ObjectStore(settings.object_store)
     key = objmanifest.manifest_key(args.run, args.step, args.incarnation)
     try:
@@ -53,7 +59,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 state["done"] += n
                 bar(state["done"], state["total"])
 
-            doc = objmanifest.fetch_step(store, key, dest, progress=moved, total=total)
+            doc = objmanifest.fetch_step(store, key, files, dest, progress=moved, total=total)
     finally:
         store.close()
     result = {"run": args.run, "step": args.step, "to": dest, "manifest": store.uri(key),

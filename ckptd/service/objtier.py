@@ -29,7 +29,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from ckptd import runlayout
 from ckptd.catalog import copies, objrows
+from ckptd.errors import CkptdError
 from ckptd.policy import RetentionPolicy
 from ckptd.service.resume import step_infos
 from ckptd.service.verifier import file_digest
@@ -111,6 +113,8 @@ class ObjectTier:
             ident = objrows.identity(s, st.ckpt_id)
         key = self._key(st.run, st.step, ident.incarnation, st.run_path, path)
         t = time.perf_counter()
+        # before the shard: once its row says complete, the committer may list the step's strategy objects
+        self._upload_rank_strategy(ident, rank)
         try:
             with self.files.opened(path) as fd_path:
                 sent = self.objects.put_file(key, fd_path)
@@ -147,16 +151,16 @@ class ObjectTier:
         base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
         objects = [{"path": self.objects.key_of(loc)[len(base) + 1:], "rank": rank, "role": "shard", "size": size,
                     "xxh3_128": digest} for rank, loc, size, digest, _ in rows]
-        if ident.strategy_path and self.files.stat(ident.strategy_path) is not None:
+        if per_rank_strategies(ident):
+            objects += self._rank_strategy_objects(ident, base)
+        elif ident.strategy_path and self.files.stat(ident.strategy_path) is not None:
             rel = os.path.relpath(ident.strategy_path, ident.run_path)
             try:
-                with self.files.opened(ident.strategy_path) as fd_path:
-                    size = self.objects.put_file(f"{base}/{rel}", fd_path)
-                    digest = file_digest(fd_path)
-                if self.objects.digest(f"{base}/{rel}", size) != digest:
-                    raise ObjectStoreError("the strategy file's object reads back differently", kind="other")
+                size, digest = self._put_checked(f"{base}/{rel}", ident.strategy_path)
                 objects.append({"path": rel, "rank": None, "role": "strategy", "size": size, "xxh3_128": digest})
-            except OSError as exc:  # a strategy directory (per-rank files) or an unreadable one: say so
+            except ObjectStoreError:
+                raise
+            except (CkptdError, OSError) as exc:  # gone, unreadable, or replaced by a link or a directory: say so
                 log.warning("object tier: strategy file %s not uploaded with step %d: %s", ident.strategy_path,
                             ident.step, exc)
         identity = {"prefix": ident.prefix, "epoch": ident.epoch, "name_step": ident.name_step, "step": ident.step,
@@ -168,6 +172,53 @@ class ObjectTier:
         if verified_at is not None:
             self.commit_delays.append((datetime.now(timezone.utc) - verified_at).total_seconds())
         log.info("object tier: run %s step %d committed (%d objects)", ident.run, ident.step, len(objects))
+
+    def _put_checked(self, key: str, path: str) -> tuple[int, str]:
+        """Upload the file at ``path`` (confined) as ``key`` and prove it by a read-back: (size, digest)."""
+        with self.files.opened(path) as fd_path:
+            size = self.objects.put_file(key, fd_path)
+            digest = file_digest(fd_path)
+        if self.objects.digest(key, size) != digest:
+            raise ObjectStoreError(f"the object {key!r} reads back differently from {path}", kind="other")
+        return size, digest
+
+    def _upload_rank_strategy(self, ident: objrows.StepIdentity, rank: int) -> None:
+        """MindFormers' per-rank strategy file of ``rank`` (``strategy/<base>_rank_<r>.ckpt``), uploaded
+        by the daemon uploading that rank's shard: on node-local disks no other daemon sees it."""
+        if not per_rank_strategies(ident):
+            return
+        directory = runlayout.rank_strategies_dir(ident.run_path)
+        base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
+        try:
+            names = [n for n in self.files.list(directory) if runlayout.rank_strategy_rank(n) == rank]
+        except (CkptdError, OSError) as exc:
+            log.warning("object tier: no strategy file of rank %d uploaded with step %d: %s", rank, ident.step, exc)
+            return
+        for name in names:
+            try:
+                self._put_checked(f"{base}/{runlayout.STRATEGY_DIR}/{name}", os.path.join(directory, name))
+            except ObjectStoreError:
+                raise
+            except (CkptdError, OSError) as exc:
+                log.warning("object tier: strategy file %s not uploaded with step %d: %s", name, ident.step, exc)
+
+    def _rank_strategy_objects(self, ident: objrows.StepIdentity, base: str) -> list[dict[str, Any]]:
+        """The manifest's entries of the per-rank strategy files the step's uploaders put up (each
+        read back again here: the manifest names what the tier holds)."""
+        prefix = f"{base}/{runlayout.STRATEGY_DIR}/"
+        out = []
+        for key, size in self.objects.list(prefix):
+            name = key[len(prefix):]
+            rank = runlayout.rank_strategy_rank(name)
+            if rank is None or "/" in name:
+                continue
+            out.append({"path": f"{runlayout.STRATEGY_DIR}/{name}", "rank": rank, "role": "strategy", "size": size,
+                        "xxh3_128": self.objects.digest(key, size)})
+        missing = sorted(set(range(ident.world_size or 0)) - {o["rank"] for o in out})
+        if missing:  # the step stays restorable; its strategy is then checked from what the fetch brings
+            log.warning("object tier: run %s step %d has no per-rank strategy file of rank(s) %s on the tier",
+                        ident.run, ident.step, missing)
+        return out
 
     # --- scrub and retention -------------------------------------------------------------------
 
@@ -226,4 +277,10 @@ class ObjectTier:
 
     def status(self) -> dict[str, Any]:
         return {"store": str(self.objects.url), "problem": self.problem}
+
+
+def per_rank_strategies(ident: objrows.StepIdentity) -> bool:
+    """The step is bound to the merge of per-rank strategy files (MindFormers' ``strategy/``)."""
+    return ident.strategy_path is not None and \
+        ident.strategy_path == runlayout.rank_strategies_dir(ident.run_path)
 

@@ -5,7 +5,8 @@
 A step without one is not on the tier. Reading one trusts nothing: it is bounded in size, every
 field is type-checked, and a path that could leave the run (absolute, ``..``, empty components) is
 refused before anything is downloaded. :func:`fetch_step` restores a step from it into a run
-directory (each file downloaded with parallel ranged GETs, hashed, renamed in only when whole).
+directory through :class:`~ckptd.storage.posix.PosixStorage` (each file downloaded with parallel
+ranged GETs into a confined temp name, hashed, renamed in only when whole).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptd.errors import CkptdError
+from ckptd.storage.posix import PosixStorage
 from ckptd.storage.s3 import ObjectStore, ObjectStoreError, safe_relative
 
 MANIFEST_NAME = "ckptd-manifest.json"
@@ -71,13 +74,14 @@ def read(objects: ObjectStore, key: str) -> dict[str, Any]:
     return parse(objects.get_bytes(key, MAX_MANIFEST), objects.uri(key))
 
 
-def fetch_step(objects: ObjectStore, key: str, run_dir: str, *, progress: Callable[[int], None] | None = None,
+def fetch_step(objects: ObjectStore, key: str, files: PosixStorage, run_dir: str, *,
+               progress: Callable[[int], None] | None = None,
                total: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Download the step whose manifest is ``key`` into ``run_dir`` (created; files already there
-    with the manifest's size are re-checked by hash and kept when equal). Every byte is checked
-    against the manifest. Returns the manifest."""
-    import xxhash
-
+    """Download the step whose manifest is ``key`` into ``run_dir``, a directory below ``files``'
+    root (created, confined like every write there: no symlink on the way is followed). Each file
+    goes through :meth:`PosixStorage.create` -- a temp name, fsynced, renamed in only once its
+    bytes are the manifest's -- so a torn or wrong download never sits under a shard's name. A file
+    already there with the manifest's size and digest is kept. Returns the manifest."""
     doc = read(objects, key)
     base = key.rsplit("/", 1)[0]
     if total is not None:
@@ -85,15 +89,31 @@ def fetch_step(objects: ObjectStore, key: str, run_dir: str, *, progress: Callab
     # the strategy file first: a shard newer than its strategy file is how a re-save is told apart
     for o in sorted(doc["objects"], key=lambda o: (o.get("role") != "strategy", o["path"])):
         dest = os.path.join(run_dir, *o["path"].split("/"))
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        if os.path.isfile(dest) and not os.path.islink(dest) and os.path.getsize(dest) == o["size"]:
-            with open(dest, "rb") as f:
-                h = xxhash.xxh3_128()
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
-            if h.hexdigest() == o["xxh3_128"]:
-                if progress is not None:
-                    progress(o["size"])
-                continue
-        objects.get_file(f"{base}/{o['path']}", dest, o["size"], o["xxh3_128"], progress)
+        if _holds(files, dest, o["size"], o["xxh3_128"]):
+            if progress is not None:
+                progress(o["size"])
+            continue
+        try:
+            with files.create(dest, overwrite=True) as out:
+                objects.download(f"{base}/{o['path']}", out, o["size"], o["xxh3_128"], progress)
+        except OSError as exc:
+            raise CkptdError(f"cannot write the fetched file: {exc.strerror or exc}", path=dest,
+                             hint="make the run directory writable (and nothing but a file in that place)") from None
     return doc
+
+
+def _holds(files: PosixStorage, path: str, size: int, digest: str) -> bool:
+    """The regular file at ``path`` is already this object (read confined; anything else is replaced)."""
+    import xxhash
+
+    st = files.stat(path)
+    if st is None or st.st_size != size:
+        return False
+    try:
+        with files.opened(path) as name, open(name, "rb") as f:
+            h = xxhash.xxh3_128()
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    except (CkptdError, OSError):
+        return False
+    return h.hexdigest() == digest

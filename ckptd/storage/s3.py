@@ -11,7 +11,8 @@ profile ``AWS_PROFILE``). Secrets are held by the client only: never in an error
 
 An upload is proven by reading the object back and hashing it (xxh3-128, the digest the catalog
 keeps of every file): equal to the verified file's digest, the object is that file. A download
-hashes the bytes as they arrive and keeps the file only when they are the manifest's.
+hashes the bytes as they arrive into the caller's temp file, which is renamed in only when they
+are the manifest's (the caller writes through ``ckptd.storage.PosixStorage``: confined, atomic).
 Memory is bounded by ``part_size × concurrency`` whatever the object's size.
 """
 
@@ -24,7 +25,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -291,27 +292,25 @@ class ObjectStore:
             h.update(memoryview(data))
         return h.hexdigest() if actual == size else f"size {actual}, expected {size}"
 
-    def get_file(self, key: str, dest: str, size: int, digest: str,
+    def download(self, key: str, out: BinaryIO, size: int, digest: str,
                  progress: Callable[[int], None] | None = None) -> None:
-        """Download ``key`` to ``dest`` (written as ``dest``'s temp name, fsynced, renamed in) and
-        check it is ``size`` bytes hashing to ``digest``; otherwise nothing is left at ``dest``."""
-        from ckptd.atomic import atomic_write
-
+        """Write ``key``'s bytes to ``out`` (the caller's temp file: ``PosixStorage.create``, which
+        renames it in only when this returns) and check they are ``size`` bytes hashing to
+        ``digest``; raises otherwise, so nothing wrong is ever renamed in."""
         actual = self.head(key)
         if actual != size:
             raise ObjectStoreError(f"object {self.full_key(key)!r} has {actual} bytes, the manifest says {size}",
                                    kind="not_found" if actual is None else "other")
         h = xxhash.xxh3_128()
-        with atomic_write(dest, overwrite=True) as f:
-            for data in self._ranges(key, size):
-                view = memoryview(data)
-                h.update(view)
-                f.write(view)
-                if progress is not None:
-                    progress(len(view))
-            if h.hexdigest() != digest:
-                raise ObjectStoreError(f"object {self.full_key(key)!r} does not match its manifest "
-                                       f"(xxh3-128 {h.hexdigest()[:12]}…, expected {digest[:12]}…)", kind="other")
+        for data in self._ranges(key, size):
+            view = memoryview(data)
+            h.update(view)
+            out.write(view)
+            if progress is not None:
+                progress(len(view))
+        if h.hexdigest() != digest:
+            raise ObjectStoreError(f"object {self.full_key(key)!r} does not match its manifest "
+                                   f"(xxh3-128 {h.hexdigest()[:12]}…, expected {digest[:12]}…)", kind="other")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
