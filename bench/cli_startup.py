@@ -3,8 +3,10 @@
 Each command runs ``--repeat`` times, interleaved with the baseline in one loop (so machine load
 hits both alike); the table prints medians and each command's excess over the baseline. The
 target is <= 0.15 s for ``--help``, ``ls``, ``resume --json`` and ``inspect``. ``ls`` and ``resume``
-are timed twice: asking a running ``ckptd serve`` (``$CKPTD_URL``, the way meant to be fast) and
-opening the catalog directly (``--db``: SQLAlchemy, its models and pydantic settings load first).
+are timed three ways: asking a running ``ckptd serve`` named by ``$CKPTD_URL``; with no flag at all
+(``$CKPTD_DB`` names the catalog, and the daemon serving it on this machine is found by its
+advertisement, ``ckptd.advert``); and opening the catalog directly (``--no-daemon``: SQLAlchemy,
+its models and pydantic settings load first).
 
     python bench/cli_startup.py [--repeat 15]
 """
@@ -84,12 +86,15 @@ def main() -> int:
             commands = {
                 "python -c pass": (py + ["-c", "pass"], env),
                 "ckptd --help": (py + ["-m", "ckptd", "--help"], env),
-                "ckptd ls (daemon)": (py + ["-m", "ckptd", "ls"], remote),
-                "ckptd resume --json (daemon)": (py + ["-m", "ckptd", "resume", "--run", "run1", "--json"], remote),
+                "ckptd ls ($CKPTD_URL)": (py + ["-m", "ckptd", "ls"], remote),
+                "ckptd resume --json ($CKPTD_URL)": (py + ["-m", "ckptd", "resume", "--run", "run1", "--json"], remote),
+                "ckptd ls (no flag: advertised daemon)": (py + ["-m", "ckptd", "ls"], env),
+                "ckptd resume --json (no flag: advertised daemon)": (py + ["-m", "ckptd", "resume", "--run", "run1",
+                                                                           "--json"], env),
                 "ckptd inspect": (py + ["-m", "ckptd", "inspect", str(shard)], env),
-                "ckptd ls --db (catalog)": (py + ["-m", "ckptd", "ls", "--db", db], env),
-                "ckptd resume --json --db (catalog)": (py + ["-m", "ckptd", "resume", "--run", "run1", "--json", "--db", db],
-                                                       env),
+                "ckptd ls --no-daemon (catalog)": (py + ["-m", "ckptd", "ls", "--no-daemon"], env),
+                "ckptd resume --json --no-daemon (catalog)": (py + ["-m", "ckptd", "resume", "--run", "run1", "--json",
+                                                                    "--no-daemon"], env),
             }
             times: dict[str, list[float]] = {name: [] for name in commands}
             for name, (argv, cmd_env) in commands.items():  # warm the page cache and .pyc files

@@ -23,6 +23,13 @@ def users_step(global_step: int | None, shards_step: int | None, epoch: int, nam
     return name_step if epoch <= 1 else None
 
 
+def filed_step(global_step: int | None, name_step: int) -> int:
+    """The one number a save is filed under where a number must always exist (the oracle's
+    ``latest_restorable_step``, object keys ``<run>/<step>/``): its global step, else the file
+    name's step. Every such place asks here, so the keys a daemon writes and the oracle reads agree."""
+    return global_step if global_step is not None else name_step
+
+
 def file_name_note(epoch: int, name_step: int, step: int | None) -> str | None:
     """What to say next to a step whose file names count differently (None: nothing to say)."""
     if step is None:

@@ -77,8 +77,7 @@ def run_dict(s: Session, run: Run) -> dict[str, Any]:
 
 def _named(latest: tuple) -> int:
     """A step as the resume oracle names it: its global step, else the file name's step."""
-    users = stepname.users_step(latest[0], None, latest[1], latest[2])
-    return users if users is not None else latest[2]
+    return stepname.filed_step(latest[0], latest[2])
 
 
 def list_nodes(s: Session, timeout: float) -> list[dict[str, Any]]:

@@ -179,7 +179,7 @@ def resume(s: Session, run_name: str, opts: ResumeOptions = ResumeOptions()) -> 
     # files are not, with exclude_unreachable), not the row's state
     files_whole = any(i.id == ckpt.id and i.state == StepState.VERIFIED.value for i in files)
     if ckpt.id in obj and not files_whole and ckpt.id not in mem:
-        answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, ckpt.global_step if ckpt.global_step is not None else ckpt.step,
+        answer.update(resume_tiers.object_answer(obj[ckpt.id], run.name, run.path, stepname.filed_step(ckpt.global_step, ckpt.step),
                                                  ckpt.incarnation))
         return answer
     if ckpt.id in mem:
