@@ -196,7 +196,11 @@ class Daemon:
         """The memory tier of this node: one thread owns its slots (ckptd.service.memtier)."""
         # commit words are polled only while some job has slots here: an idle daemon wakes once a
         # second (a poll every 20 ms costs the API's event loop GIL hand-offs for nothing)
-        while not self._stopping.wait(self.settings.memory_scan_interval if not self.memory.idle else 1.0):
+        while True:
+            self.memory.wake.wait(self.settings.memory_scan_interval if not self.memory.idle else 1.0)
+            self.memory.wake.clear()
+            if self._stopping.is_set():
+                return
             try:
                 self.memory.scan()
             except Exception:
@@ -247,6 +251,8 @@ class Daemon:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.memory is not None:
+            self.memory.wake.set()
         self.jobs.close()
         self.watcher.stop()
         try:

@@ -151,8 +151,11 @@ def test_a_rank_killed_in_the_middle_of_a_copy_resumes_from_the_previous_snapsho
     assert out.returncode == -9 and "in the middle of its snapshot of step 9" in out.stdout, out.stdout[-2000:]
     slots = sorted((shm / memslot.run_key(str(run)) / "rank_0").iterdir())
     assert sorted(memslot.commit_word(p.read_bytes()[:memslot.PAGE]) == 0 for p in slots) == [False, True]
-    answer = wait_for(lambda: resume_of(proc, client, log, "run1"), timeout=30, what="an answer")
-    assert answer["step"] == 8 and answer["tier"] == "memory", answer  # the torn slot is never answered
+    # as the launcher does: the barrier first (it waits for a scan of the slots as the crash left them)
+    settled = client.get("/v1/runs/run1/settled", params={"wait": 60}, timeout=90).json()
+    assert settled["settled"], settled
+    answer = resume_of(proc, client, log, "run1")
+    assert answer is not None and answer["step"] == 8 and answer["tier"] == "memory", answer  # never the torn slot
     train(run, "--steps", str(STEPS), "--save-every", "100", "--resume-from", _answer_file(tmp_path, answer))
     final, want = load(ms, shard(run, 0, STEPS)), load(ms, shard(reference, 0, STEPS))
     for name in want:

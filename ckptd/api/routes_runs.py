@@ -39,7 +39,7 @@ async def settled(
     """Has ckptd judged everything committed under the run up to now? (the launcher asks before resuming)"""
     d = request.app.state.daemon
     settings = request.app.state.settings
-    barrier = Barrier(d.sessions, d.watcher, str(settings.root), settings.node_name, settings.node_timeout)
+    barrier = Barrier(d.sessions, d.watcher, str(settings.root), settings.node_name, settings.node_timeout, d.memory)
     return await barrier.wait(run, wait)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -65,6 +66,11 @@ class MemoryTier:
         self.snapshots = 0  # catalogued (read at /metrics scrapes from another thread: ints, no lock needed)
         self.persisted = 0
         self.bytes_hashed = 0
+        # the settled barrier's view (another thread asks): scans started / finished, and a wake-up
+        # so a question after a crash is answered after a scan of the slots as they are now
+        self._fence = threading.Condition()
+        self._started = self._finished = 0
+        self.wake = threading.Event()
 
     # --- start: what the catalog says this node holds ---------------------------------------------
 
@@ -101,8 +107,28 @@ class MemoryTier:
 
     # --- one pass ------------------------------------------------------------------------------------
 
+    def scan_fence(self) -> int:
+        """Ask for a scan now; :meth:`scanned_since` of the number returned is true once a scan that
+        *started* after this call finished: every slot committed by then was examined."""
+        with self._fence:
+            self.wake.set()
+            return self._started + 1
+
+    def scanned_since(self, fence: int) -> bool:
+        with self._fence:
+            return self._finished >= fence
+
     def scan(self) -> int:
         """One pass over the memory root; returns the number of snapshots catalogued."""
+        with self._fence:
+            self._started += 1
+            mine = self._started
+        done = self._scan()
+        with self._fence:
+            self._finished = mine
+        return done
+
+    def _scan(self) -> int:
         done = 0
         now = time.monotonic()
         regions = self._regions()

@@ -14,7 +14,9 @@ Checkpoint 2.0 iterations):
 2. **every catalogued save judged**: no step of the run is ``pending`` (shards unverified, or its
    step checks not run yet), and no ``incomplete`` step has a shard without a verdict. An
    ``incomplete`` step whose files present all have theirs is judged: it waits for files that are
-   not there (a rank killed mid-save), which no waiting would bring.
+   not there (a rank killed mid-save), which no waiting would bring;
+3. with a memory tier, a **scan of the slots** that started after the question finished: a
+   crashed job's newest snapshots are in memory before any file is.
 
 Nodes. A shard is judged by the node that saw it (docs/ARCHITECTURE.md, *Nodes*). The answer lists
 per node what the catalog holds unjudged; shards of an *unreachable* node (or of no node: rows
@@ -54,6 +56,13 @@ class IngestView(Protocol):
     def examining(self, prefix: str) -> int: ...
 
 
+class MemoryView(Protocol):
+    """What the barrier reads of this node's memory tier (:class:`ckptd.service.memtier.MemoryTier`)."""
+
+    def scan_fence(self) -> int: ...
+    def scanned_since(self, fence: int) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Barrier:
     sessions: sessionmaker[Session]
@@ -61,18 +70,22 @@ class Barrier:
     root: str
     node: str
     node_timeout: float
+    #: with a memory tier, a scan of the slots that started after the question must finish too:
+    #: a job's newest snapshots are in memory before any file, and a crash leaves them there
+    memory: MemoryView | None = None
 
     async def wait(self, run: str, wait: float) -> dict[str, Any]:
         """The answer for ``run``, as soon as it is settled or after ``wait`` seconds (then with
         ``settled`` false and what is outstanding). Waits without holding a thread."""
         t0 = time.monotonic()
         fence = self.ingest.rescan_fence()
+        memory_fence = self.memory.scan_fence() if self.memory is not None else 0
         prefix = runlayout.run_dir(self.root, run)
         delay = POLL[0]
         while True:
             rescanned = self.ingest.rescanned_since(fence)
             examining = self.ingest.examining(prefix)  # read before the catalog: what left it is catalogued
-            caught_up = rescanned and not examining
+            caught_up = rescanned and not examining and (self.memory is None or self.memory.scanned_since(memory_fence))
             out_of_time = time.monotonic() - t0 >= wait
             if caught_up or out_of_time:
                 doc = await asyncio.to_thread(self.judged, run)
