@@ -69,6 +69,13 @@ def _killed_run(root, shm):
     return run
 
 
+def _settled(client, run="run1") -> None:
+    """As the launcher does after a crash: the barrier answers once ckptd judged what the job left,
+    its memory slots included (a scan that started after the question)."""
+    doc = client.get(f"/v1/runs/{run}/settled", params={"wait": 60}, timeout=90).json()
+    assert doc["settled"], doc
+
+
 def _steps(client, run="run1"):
     return {x["training_step"]: x for x in client.get(f"/v1/runs/{run}/steps").json()}
 
@@ -76,6 +83,7 @@ def _steps(client, run="run1"):
 def test_a_killed_rank_resumes_from_memory_and_ends_bitwise_equal(ms, reference, served, tmp_path):
     root, shm, client, proc, log = served
     run = _killed_run(root, shm)
+    _settled(client)
     # the daemon persisted steps 5 and 10 from memory; they are ingested and verified as files
     wait_for(lambda: {5, 10} <= {s for s, x in _steps(client).items() if "file" in (x.get("tiers") or [])},
              timeout=60, what="persisted steps verified as files")
@@ -151,9 +159,7 @@ def test_a_rank_killed_in_the_middle_of_a_copy_resumes_from_the_previous_snapsho
     assert out.returncode == -9 and "in the middle of its snapshot of step 9" in out.stdout, out.stdout[-2000:]
     slots = sorted((shm / memslot.run_key(str(run)) / "rank_0").iterdir())
     assert sorted(memslot.commit_word(p.read_bytes()[:memslot.PAGE]) == 0 for p in slots) == [False, True]
-    # as the launcher does: the barrier first (it waits for a scan of the slots as the crash left them)
-    settled = client.get("/v1/runs/run1/settled", params={"wait": 60}, timeout=90).json()
-    assert settled["settled"], settled
+    _settled(client)  # it waits for a scan of the slots as the crash left them
     answer = resume_of(proc, client, log, "run1")
     assert answer is not None and answer["step"] == 8 and answer["tier"] == "memory", answer  # never the torn slot
     train(run, "--steps", str(STEPS), "--save-every", "100", "--resume-from", _answer_file(tmp_path, answer))
