@@ -26,8 +26,8 @@ class StepToUpload:
     run: str
     run_path: str
     step: int  # the users' step (global step when known)
-    #: (rank, path, size, digest) of this node's verified shards without a live object copy
-    shards: list[tuple[int, str, int, str | None]]
+    #: (shard id, rank, path, size, digest) of this node's verified shards without a live object copy
+    shards: list[tuple[int, int, str, int, str | None]]
 
 
 def _users_step(c: Checkpoint) -> int:
@@ -39,20 +39,20 @@ def to_upload(s: Session, node: str, every: int, limit: int = 16) -> list[StepTo
     has_copy = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Shard.checkpoint_id, ShardCopy.rank == Shard.rank,
                                           ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE)).exists()
     rows = s.execute(
-        select(Checkpoint, Run.name, Run.path, Shard.rank, Shard.path, Shard.size, Shard.digest)
+        select(Checkpoint, Run.name, Run.path, Shard.id, Shard.rank, Shard.path, Shard.size, Shard.digest)
         .join(Run, Run.id == Checkpoint.run_id).join(Shard, Shard.checkpoint_id == Checkpoint.id)
         .where(Checkpoint.kind == "trained", Checkpoint.state == StepState.VERIFIED.value, Shard.node == node,
                Shard.state == ShardState.VERIFIED.value, ~has_copy)
         .order_by(Checkpoint.id, Shard.rank)).all()
     out: dict[int, StepToUpload] = {}
-    for c, run, path, rank, spath, size, digest in rows:
+    for c, run, path, sid, rank, spath, size, digest in rows:
         if _users_step(c) % every:
             continue
         if c.id not in out:
             if len(out) >= limit:
                 break
             out[c.id] = StepToUpload(c.id, run, path, _users_step(c), [])
-        out[c.id].shards.append((rank, spath, size, digest))
+        out[c.id].shards.append((sid, rank, spath, size, digest))
     return list(out.values())
 
 

@@ -1,0 +1,106 @@
+"""The object tier's loop (``ObjectTier.run_once``) against a real S3 server (SeaweedFS): a shard
+whose bytes changed since verification is refused once, backed off and handed back to the
+verifier; object retention runs only when the tier changed (or every ``object_gc_interval``).
+
+The catalog is built by a real daemon without an object tier; the tier is then driven pass by pass
+with a fake clock, so the back-off is observed without waiting it out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import sessionmaker
+
+from daemon_helpers import fast_settings, migrated_sqlite, query, save_tp_step, started_daemon, step_states, wait_for
+
+
+@pytest.fixture
+def s3env(s3, monkeypatch):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    return s3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def verified_catalog(ms, tmp_path: Path, steps=(1,)):
+    """A catalog whose ``steps`` of run ``job`` are verified (by a real daemon, now stopped)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    url = migrated_sqlite(tmp_path / "cat.db")
+    d = started_daemon(root, url, memory_root=None, gc_keep_last=0)
+    try:
+        for step in steps:
+            save_tp_step(ms, root, "job", step)
+        wait_for(lambda: all(step_states(url).get(s) == "verified" for s in steps), timeout=90, what="verified steps")
+    finally:
+        d.stop()
+    return root, url
+
+
+def tier(root: Path, url: str, prefix: str, clock: Clock, requeued: list, **kw):
+    from ckptd.catalog.db import make_engine
+    from ckptd.service.objtier import ObjectTier
+    from ckptd.storage.s3 import ObjectStore
+
+    cfg = fast_settings(root, url, memory_root=None)
+    sessions = sessionmaker(make_engine(url), expire_on_commit=False)
+    return ObjectTier(sessions, cfg.storage, ObjectStore(f"s3://ckptd/{prefix}"), cfg.node_name,
+                      requeue=requeued.extend, clock=clock, **kw)
+
+
+def test_changed_shard_is_uploaded_once_backed_off_and_requeued(ms, s3env, tmp_path):
+    from ckptd.service.objtier import REFUSED_BACKOFF
+
+    root, url = verified_catalog(ms, tmp_path)
+    shard = root / "job" / "rank_1" / "net-1_1.ckpt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the read-back can tell
+    shard.write_bytes(bytes(data))
+
+    clock, requeued = Clock(), []
+    t = tier(root, url, "changed", clock, requeued)
+    puts = []
+    real_put = t.objects.put_file
+    t.objects.put_file = lambda key, path: puts.append(key) or real_put(key, path)
+
+    assert t.run_once() == 0.5  # the pass goes on: the other rank is uploaded
+    assert [k for k in puts if k.endswith("rank_1/net-1_1.ckpt")] == ["job/1/rank_1/net-1_1.ckpt"]
+    assert t.shard_failures == 1 and len(requeued) == 1
+    rows = {r[0]: r for r in query(url, "SELECT rank, state FROM shard_copies WHERE tier = 'object'")}
+    assert 1 not in rows and rows[0][1] == "complete"  # the changed rank is not recorded; no manifest
+    assert "job/1/rank_1/net-1_1.ckpt" not in dict(t.objects.list(""))
+
+    for _ in range(5):  # passes within the back-off leave it alone
+        clock.now += REFUSED_BACKOFF / 10
+        t.run_once()
+    assert len([k for k in puts if k.endswith("rank_1/net-1_1.ckpt")]) == 1 and len(requeued) == 1
+    assert t.passes == 6
+
+    clock.now += REFUSED_BACKOFF  # past it: tried once more, refused again, the back-off doubled
+    t.run_once()
+    assert len([k for k in puts if k.endswith("rank_1/net-1_1.ckpt")]) == 2 and len(requeued) == 2
+    clock.now += REFUSED_BACKOFF * 1.5
+    t.run_once()
+    assert len([k for k in puts if k.endswith("rank_1/net-1_1.ckpt")]) == 2
+    t.objects.close()
+
+
+def test_unopenable_shard_does_not_abort_the_pass(ms, s3env, tmp_path):
+    root, url = verified_catalog(ms, tmp_path)
+    (root / "job" / "rank_1" / "net-1_1.ckpt").unlink()
+    clock, requeued = Clock(), []
+    t = tier(root, url, "gone", clock, requeued)
+    assert t.run_once() == 0.5
+    assert t.problem is None and t.shard_failures == 1 and len(requeued) == 1
+    assert "job/1/rank_0/net-1_1.ckpt" in dict(t.objects.list(""))
+    t.objects.close()
