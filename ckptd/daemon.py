@@ -72,7 +72,7 @@ def object_tier(settings: Settings, sessions: sessionmaker,  # noqa: ANN201 - ck
         policy = RetentionPolicy(keep_last=settings.object_keep_last, keep_every=settings.object_keep_every)
     return ObjectTier(sessions, settings.storage, ObjectStore(settings.object_store), settings.node_name,
                       upload_every=settings.upload_every, scrub_interval=settings.object_scrub_interval, policy=policy,
-                      requeue=requeue)
+                      gc_interval=settings.object_gc_interval, requeue=requeue)
 
 
 class Daemon:

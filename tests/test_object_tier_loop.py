@@ -104,3 +104,39 @@ def test_unopenable_shard_does_not_abort_the_pass(ms, s3env, tmp_path):
     assert t.problem is None and t.shard_failures == 1 and len(requeued) == 1
     assert "job/1/rank_0/net-1_1.ckpt" in dict(t.objects.list(""))
     t.objects.close()
+
+
+def test_retention_runs_only_when_the_tier_changed_or_its_interval_passed(ms, s3env, tmp_path):
+    from ckptd.policy import RetentionPolicy
+
+    root, url = verified_catalog(ms, tmp_path, steps=(1, 2))
+    clock, requeued = Clock(), []
+    t = tier(root, url, "cadence", clock, requeued, upload_every=2, gc_interval=300.0,
+             policy=RetentionPolicy(keep_last=10))
+    t.run_once()  # a new daemon runs it once; step 2 is committed before it in the same pass
+    assert t.gc_runs == 1 and len(query(url, "SELECT id FROM shard_copies WHERE tier = 'object' AND state = 'verified'")) == 2
+    for _ in range(3):
+        clock.now += 1
+        t.run_once()
+    assert t.gc_runs == 1  # nothing changed: no retention pass over the tier
+    t.upload_every = 1  # step 1 becomes due: a new manifest
+    t.run_once()
+    assert t.gc_runs == 2
+    clock.now += 1
+    t.run_once()
+    assert t.gc_runs == 2
+    clock.now += 300
+    t.run_once()
+    assert t.gc_runs == 3 and t.passes == 7
+    assert t.shard_failures == 0 and t.shard_attempts == 4 and not requeued
+    t.objects.close()
+
+
+def test_object_gc_interval_from_the_config_file(tmp_path, monkeypatch):
+    from ckptd.settings import Settings
+
+    cfg = tmp_path / "ckptd.toml"
+    cfg.write_text("object_gc_interval = 42.5\n")
+    monkeypatch.setenv("CKPTD_CONFIG", str(cfg))
+    assert Settings(root=tmp_path).object_gc_interval == 42.5
+    assert Settings(root=tmp_path, object_gc_interval=300).object_gc_interval == 300

@@ -12,7 +12,9 @@ One thread per daemon (``ckptd-object``) runs :meth:`ObjectTier.run_once` in a l
 3. scrub (``object_scrub_interval``): each verified object is read back again; one changed or gone
    becomes ``corrupt`` / ``deleted`` and the step is no longer answered from the tier.
 4. retention (``object_keep_last`` / ``object_keep_every``): over the steps whole on the tier; a
-   step's manifest is deleted first, then its objects.
+   step's manifest is deleted first, then its objects. It reads every run on the tier, so it runs
+   only on a pass after the tier changed (this daemon wrote a manifest or deleted a step), or
+   ``object_gc_interval`` after the last run (another daemon's commits), not on every pass.
 
 Failures never stop the file tier: an unreachable server is retried with back-off (1 s doubling
 to 60 s; nothing is committed until everything is up); wrong credentials or a missing bucket are
@@ -54,7 +56,7 @@ REFUSED_MAX = 3600.0
 class ObjectTier:
     def __init__(self, sessions: sessionmaker[Session], files: PosixStorage, objects: ObjectStore, node: str, *,
                  upload_every: int = 1, scrub_interval: float = 0.0, policy: RetentionPolicy | None = None,
-                 requeue: Callable[[list[int]], None] | None = None,
+                 gc_interval: float = 300.0, requeue: Callable[[list[int]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = sessions
         self.files = files
@@ -63,6 +65,9 @@ class ObjectTier:
         self.upload_every = max(1, upload_every)
         self.scrub_interval = scrub_interval
         self.policy = policy
+        self.gc_interval = gc_interval
+        self._tier_changed = True  # a new daemon has not seen the tier: its first pass runs retention
+        self._last_gc = 0.0
         #: hands shard ids back to the verifier (the daemon's ``Verifier.submit``): a file that no
         #: longer reads as verified is the verifier's to re-judge, not the object tier's
         self.requeue = requeue
@@ -93,8 +98,11 @@ class ObjectTier:
             self.commit_pending()
             if self.scrub_interval:
                 self.scrub()
-            if self.policy is not None:
-                self.gc()
+            if self.policy is not None and (self._tier_changed or self.clock() - self._last_gc >= self.gc_interval):
+                self.gc()  # cleared after (one thread commits and deletes): a failed run is tried again
+                self._tier_changed = False
+                self._last_gc = self.clock()
+                self.gc_runs += 1
         except ObjectStoreError as err:
             self._failed(err)
             wait, self._backoff = self._backoff, min(self._backoff * 2, MAX_BACKOFF)
@@ -210,6 +218,7 @@ class ObjectTier:
         self.objects.put_bytes(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation), body)
         with self.sessions.begin() as s:
             objrows.commit(s, ckpt_id)
+        self._tier_changed = True
         if verified_at is not None:
             self.commit_delays.append((datetime.now(timezone.utc) - verified_at).total_seconds())
         log.info("object tier: run %s step %d committed (%d objects)", ident.run, ident.step, len(objects))
@@ -314,6 +323,7 @@ class ObjectTier:
             self.objects.delete(key)
         with self.sessions.begin() as s:
             objrows.drop_step(s, ckpt_id)
+        self._tier_changed = True
         log.info("object retention: run %s step %d deleted from %s", ident.run, ident.step, self.objects.url)
 
     def status(self) -> dict[str, Any]:
