@@ -140,3 +140,18 @@ def test_object_gc_interval_from_the_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTD_CONFIG", str(cfg))
     assert Settings(root=tmp_path).object_gc_interval == 42.5
     assert Settings(root=tmp_path, object_gc_interval=300).object_gc_interval == 300
+
+
+def test_healthz_shows_the_loop_counters(ms, s3env, tmp_path):
+    from api_helpers import Server
+
+    root = tmp_path / "root"
+    root.mkdir()
+    cfg = fast_settings(root, migrated_sqlite(tmp_path / "cat.db"), object_store="s3://ckptd/health", memory_root=None,
+                        gc_keep_last=0, object_keep_last=5)
+    with Server(cfg) as srv, srv.client() as c:
+        save_tp_step(ms, root, "job", 1)
+        tier_status = wait_for(lambda: (o := c.get("/healthz").json()["object_tier"])["gc_runs"] >= 2 and o,
+                               timeout=90, what="step 1 committed and retention run after it")
+    assert tier_status["problem"] is None and tier_status["passes"] >= 2
+    assert tier_status["shard_attempts"] == 2 and tier_status["shard_failures"] == 0

@@ -327,7 +327,8 @@ class ObjectTier:
         log.info("object retention: run %s step %d deleted from %s", ident.run, ident.step, self.objects.url)
 
     def status(self) -> dict[str, Any]:
-        return {"store": str(self.objects.url), "problem": self.problem}
+        return {"store": str(self.objects.url), "problem": self.problem, "passes": self.passes,
+                "shard_attempts": self.shard_attempts, "shard_failures": self.shard_failures, "gc_runs": self.gc_runs}
 
 
 def per_rank_strategies(ident: objrows.StepIdentity) -> bool:
