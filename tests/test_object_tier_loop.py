@@ -155,3 +155,23 @@ def test_healthz_shows_the_loop_counters(ms, s3env, tmp_path):
                                timeout=90, what="step 1 committed and retention run after it")
     assert tier_status["problem"] is None and tier_status["passes"] >= 2
     assert tier_status["shard_attempts"] == 2 and tier_status["shard_failures"] == 0
+
+
+def test_to_upload_picks_a_few_newest_steps_in_sql_and_never_retired_ones(tmp_path):
+    from bench.objtier_loop import build
+    from ckptd.catalog import objrows
+    from ckptd.catalog.db import make_engine
+
+    url = f"sqlite:///{tmp_path / 'cat.db'}"
+    build(url, steps=50, ranks=2, pending=23, retired=20)  # 1-20 retired by object retention, 28-50 pending
+    engine = make_engine(url)
+    with sessionmaker(engine)() as s:
+        assert [u.step for u in objrows.to_upload(s, "n1", 1)] == [50, 49, 48, 47]
+        assert [u.step for u in objrows.to_upload(s, "n1", 10, limit=8)] == [50, 40, 30]
+        assert objrows.to_upload(s, "other", 1) == []
+        (top,) = objrows.to_upload(s, "n1", 1, limit=1)
+        held = {sid: digest for sid, _rank, _path, _size, digest in top.shards}
+        assert [u.step for u in objrows.to_upload(s, "n1", 1, limit=2, skip=held)] == [49, 48]
+        # a new verdict (another digest) is not held back
+        assert [u.step for u in objrows.to_upload(s, "n1", 1, limit=1, skip=dict.fromkeys(held, "0" * 32))] == [50]
+    engine.dispose()

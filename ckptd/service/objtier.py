@@ -125,10 +125,11 @@ class ObjectTier:
     # --- upload and commit ---------------------------------------------------------------------
 
     def upload_due(self) -> int:
-        with self.sessions() as s:
-            due = objrows.to_upload(s, self.node, self.upload_every)
-        n = 0
         now = self.clock()
+        held = {sid: digest for sid, (digest, _delay, at) in self._refused.items() if at > now}
+        with self.sessions() as s:
+            due = objrows.to_upload(s, self.node, self.upload_every, skip=held)
+        n = 0
         for st in due:
             for sid, rank, path, size, digest in st.shards:
                 held = self._refused.get(sid)
@@ -317,7 +318,7 @@ class ObjectTier:
             ident = objrows.identity(s, ckpt_id)
         base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
         with self.sessions.begin() as s:  # not answered from the tier any more, before any object goes
-            objrows.set_verdict_all(s, ckpt_id, ShardState.DELETED, "deleted by object retention")
+            objrows.set_verdict_all(s, ckpt_id, ShardState.DELETED, objrows.RETIRED)
         self.objects.delete(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation))
         for key, _size in self.objects.list(base + "/"):
             self.objects.delete(key)
