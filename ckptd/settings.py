@@ -117,6 +117,9 @@ class Settings(BaseSettings):
                                                                         "steps whole there (null with object_keep_every "
                                                                         "null: keep all)")
     object_keep_every: int | None = Field(default=None, ge=1, description="object tier retention: keep every N-th step")
+    object_gc_interval: float = Field(default=300.0, gt=0, description="object tier retention: runs after the tier "
+                                                                      "changed (a manifest written, a step deleted), "
+                                                                      "else at least this often (s)")
     scrub_interval: float = Field(
         default=0.0, ge=0,
         description="re-read every verified shard at least this often (s) to catch bit rot; 0 = off",

@@ -338,6 +338,13 @@ class ObjectTierProblem(_Out):
 class ObjectTierStatus(_Out):
     store: str
     problem: ObjectTierProblem | None = Field(default=None, description="null while the tier works")
+    passes: int = Field(default=0, description="passes of the object tier's loop since the daemon started")
+    shard_attempts: int = Field(default=0, description="shard uploads tried (each read back before it counts)")
+    shard_failures: int = Field(default=0, description="shards not recorded: the object read back differently from "
+                                                       "the verified file, or the file could not be opened (each "
+                                                       "handed back to the verifier and backed off 30 s doubling to 1 h)")
+    gc_runs: int = Field(default=0, description="object retention runs (after the tier changed, else every "
+                                                "object_gc_interval)")
 
 
 class HealthzOut(_Out):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from collections.abc import Mapping
+
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ckptd.catalog import repo
@@ -26,33 +28,57 @@ class StepToUpload:
     run: str
     run_path: str
     step: int  # the users' step (global step when known)
-    #: (rank, path, size, digest) of this node's verified shards without a live object copy
-    shards: list[tuple[int, str, int, str | None]]
+    #: (shard id, rank, path, size, digest) of this node's verified shards without a live object copy
+    shards: list[tuple[int, int, str, int, str | None]]
 
 
 def _users_step(c: Checkpoint) -> int:
     return c.global_step if c.global_step is not None else c.step
 
 
-def to_upload(s: Session, node: str, every: int, limit: int = 16) -> list[StepToUpload]:
-    """Verified trained steps (every ``every``-th) with shards of ``node`` not on the tier yet, oldest first."""
+#: the error of the object copies object retention deleted: such a step is never uploaded again
+RETIRED = "deleted by object retention"
+
+
+def to_upload(s: Session, node: str, every: int, limit: int = 4,
+              skip: Mapping[int, str | None] | None = None) -> list[StepToUpload]:
+    """Verified trained steps (every ``every``-th) with shards of ``node`` not on the tier yet, newest
+    first, at most ``limit`` (the loop runs every half second: a few steps per pass, chosen in SQL,
+    never a walk over every catalogued row). Steps object retention deleted are not chosen again;
+    ``skip``: shard id -> verified digest the caller holds back (refused lately with that digest; a
+    new verdict's digest is chosen again), so they never take a step's place."""
+    skip = skip or {}
+    users_step = func.coalesce(Checkpoint.global_step, Checkpoint.step)
+    missing = select(Shard.id).where(
+        Shard.checkpoint_id == Checkpoint.id, Shard.node == node, Shard.state == ShardState.VERIFIED.value,
+        ~select(ShardCopy.id).where(ShardCopy.checkpoint_id == Shard.checkpoint_id, ShardCopy.rank == Shard.rank,
+                                    ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE)).exists())
+    for sid, digest in skip.items():  # a handful of shards at most
+        missing = missing.where(or_(Shard.id != sid, Shard.digest.is_distinct_from(digest)))
+    retired = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Checkpoint.id, ShardCopy.tier == _OBJ,
+                                         ShardCopy.state == ShardState.DELETED.value, ShardCopy.error == RETIRED)
+    query = select(Checkpoint.id).where(Checkpoint.kind == "trained", Checkpoint.state == StepState.VERIFIED.value,
+                                        missing.exists(), ~retired.exists())
+    if every > 1:
+        query = query.where(users_step % every == 0)
+    ids = list(s.execute(query.order_by(Checkpoint.id.desc()).limit(limit)).scalars())
+    if not ids:
+        return []
     has_copy = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Shard.checkpoint_id, ShardCopy.rank == Shard.rank,
                                           ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE)).exists()
     rows = s.execute(
-        select(Checkpoint, Run.name, Run.path, Shard.rank, Shard.path, Shard.size, Shard.digest)
+        select(Checkpoint.id, Checkpoint.step, Checkpoint.global_step, Run.name, Run.path, Shard.id, Shard.rank,
+               Shard.path, Shard.size, Shard.digest)
         .join(Run, Run.id == Checkpoint.run_id).join(Shard, Shard.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.kind == "trained", Checkpoint.state == StepState.VERIFIED.value, Shard.node == node,
-               Shard.state == ShardState.VERIFIED.value, ~has_copy)
-        .order_by(Checkpoint.id, Shard.rank)).all()
+        .where(Checkpoint.id.in_(ids), Shard.node == node, Shard.state == ShardState.VERIFIED.value, ~has_copy)
+        .order_by(Checkpoint.id.desc(), Shard.rank)).all()
     out: dict[int, StepToUpload] = {}
-    for c, run, path, rank, spath, size, digest in rows:
-        if _users_step(c) % every:
+    for cid, step, global_step, run, path, sid, rank, spath, size, digest in rows:
+        if sid in skip and skip[sid] == digest:
             continue
-        if c.id not in out:
-            if len(out) >= limit:
-                break
-            out[c.id] = StepToUpload(c.id, run, path, _users_step(c), [])
-        out[c.id].shards.append((rank, spath, size, digest))
+        if cid not in out:
+            out[cid] = StepToUpload(cid, run, path, global_step if global_step is not None else step, [])
+        out[cid].shards.append((sid, rank, spath, size, digest))
     return list(out.values())
 
 

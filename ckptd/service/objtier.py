@@ -12,11 +12,17 @@ One thread per daemon (``ckptd-object``) runs :meth:`ObjectTier.run_once` in a l
 3. scrub (``object_scrub_interval``): each verified object is read back again; one changed or gone
    becomes ``corrupt`` / ``deleted`` and the step is no longer answered from the tier.
 4. retention (``object_keep_last`` / ``object_keep_every``): over the steps whole on the tier; a
-   step's manifest is deleted first, then its objects.
+   step's manifest is deleted first, then its objects. It reads every run on the tier, so it runs
+   only on a pass after the tier changed (this daemon wrote a manifest or deleted a step), or
+   ``object_gc_interval`` after the last run (another daemon's commits), not on every pass.
 
 Failures never stop the file tier: an unreachable server is retried with back-off (1 s doubling
 to 60 s; nothing is committed until everything is up); wrong credentials or a missing bucket are
 one clear error in the log and in ``/healthz``'s details (:attr:`ObjectTier.problem`), retried slowly.
+A shard whose object reads back differently from its verified digest (the file changed since it was
+verified, or the upload was torn), or whose file cannot be opened, is not recorded: it is handed back
+to the verifier (``requeue``) and not tried again for 30 s, doubling to 1 h, for as long as its
+verified digest stays the same, so one bad file is never re-uploaded on every pass.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import logging
 import os
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -42,11 +48,16 @@ from ckptd.storage.s3 import ObjectStore, ObjectStoreError
 log = logging.getLogger("ckptd.objtier")
 
 MAX_BACKOFF = 60.0
+#: a shard refused at read-back waits this long before its next upload, doubling up to REFUSED_MAX
+REFUSED_BACKOFF = 30.0
+REFUSED_MAX = 3600.0
 
 
 class ObjectTier:
     def __init__(self, sessions: sessionmaker[Session], files: PosixStorage, objects: ObjectStore, node: str, *,
-                 upload_every: int = 1, scrub_interval: float = 0.0, policy: RetentionPolicy | None = None) -> None:
+                 upload_every: int = 1, scrub_interval: float = 0.0, policy: RetentionPolicy | None = None,
+                 gc_interval: float = 300.0, requeue: Callable[[list[int]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = sessions
         self.files = files
         self.objects = objects
@@ -54,6 +65,19 @@ class ObjectTier:
         self.upload_every = max(1, upload_every)
         self.scrub_interval = scrub_interval
         self.policy = policy
+        self.gc_interval = gc_interval
+        self._tier_changed = True  # a new daemon has not seen the tier: its first pass runs retention
+        self._last_gc = 0.0
+        #: hands shard ids back to the verifier (the daemon's ``Verifier.submit``): a file that no
+        #: longer reads as verified is the verifier's to re-judge, not the object tier's
+        self.requeue = requeue
+        self.clock = clock
+        #: shard id -> (verified digest, back-off seconds, retry at): refused shards not tried again yet
+        self._refused: dict[int, tuple[str | None, float, float]] = {}
+        self.passes = 0
+        self.shard_attempts = 0
+        self.shard_failures = 0
+        self.gc_runs = 0
         #: what is wrong with the tier now (``/healthz`` details), None when it works
         self.problem: dict[str, str] | None = None
         self._backoff = 1.0
@@ -66,6 +90,7 @@ class ObjectTier:
 
     def run_once(self) -> float:
         """One pass; returns how long to wait before the next."""
+        self.passes += 1
         try:
             if self.problem is not None:
                 self.objects.check_access()  # the cheapest way to learn the server is back
@@ -73,8 +98,11 @@ class ObjectTier:
             self.commit_pending()
             if self.scrub_interval:
                 self.scrub()
-            if self.policy is not None:
-                self.gc()
+            if self.policy is not None and (self._tier_changed or self.clock() - self._last_gc >= self.gc_interval):
+                self.gc()  # cleared after (one thread commits and deletes): a failed run is tried again
+                self._tier_changed = False
+                self._last_gc = self.clock()
+                self.gc_runs += 1
         except ObjectStoreError as err:
             self._failed(err)
             wait, self._backoff = self._backoff, min(self._backoff * 2, MAX_BACKOFF)
@@ -97,13 +125,33 @@ class ObjectTier:
     # --- upload and commit ---------------------------------------------------------------------
 
     def upload_due(self) -> int:
+        now = self.clock()
+        held = {sid: digest for sid, (digest, _delay, at) in self._refused.items() if at > now}
         with self.sessions() as s:
-            due = objrows.to_upload(s, self.node, self.upload_every)
+            due = objrows.to_upload(s, self.node, self.upload_every, skip=held)
         n = 0
         for st in due:
-            for rank, path, size, digest in st.shards:
-                n += self._upload_shard(st, rank, path, size, digest)
+            for sid, rank, path, size, digest in st.shards:
+                held = self._refused.get(sid)
+                if held is not None and held[0] == digest and held[2] > now:
+                    continue  # refused lately with this same verdict: wait out its back-off
+                self.shard_attempts += 1
+                if self._upload_shard(st, rank, path, size, digest):
+                    self._refused.pop(sid, None)
+                    n += 1
+                else:
+                    self._refuse(sid, digest)
         return n
+
+    def _refuse(self, sid: int, digest: str | None) -> None:
+        """The shard was not recorded: back off (per shard and verified digest; a new verdict starts
+        over) and let the verifier re-judge the file."""
+        self.shard_failures += 1
+        held = self._refused.get(sid)
+        delay = min(held[1] * 2, REFUSED_MAX) if held is not None and held[0] == digest else REFUSED_BACKOFF
+        self._refused[sid] = (digest, delay, self.clock() + delay)
+        if self.requeue is not None:
+            self.requeue([sid])
 
     def _key(self, run: str, step: int, incarnation: int | None, run_path: str, path: str) -> str:
         return f"{objmanifest.step_dir(run, step, incarnation)}/{os.path.relpath(path, run_path)}"
@@ -118,7 +166,9 @@ class ObjectTier:
         try:
             with self.files.opened(path) as fd_path:
                 sent = self.objects.put_file(key, fd_path)
-        except OSError as exc:  # the file went (retention, the job) or was replaced: the rescan judges it
+        except ObjectStoreError:  # the server's fault, not the file's: the pass backs off as a whole
+            raise
+        except (CkptdError, OSError) as exc:  # gone, replaced, or refused by confinement: the verifier judges it
             log.info("object tier: %s not uploaded: %s", path, exc)
             return 0
         got = self.objects.digest(key, size)  # the read-back: what the server holds
@@ -169,6 +219,7 @@ class ObjectTier:
         self.objects.put_bytes(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation), body)
         with self.sessions.begin() as s:
             objrows.commit(s, ckpt_id)
+        self._tier_changed = True
         if verified_at is not None:
             self.commit_delays.append((datetime.now(timezone.utc) - verified_at).total_seconds())
         log.info("object tier: run %s step %d committed (%d objects)", ident.run, ident.step, len(objects))
@@ -267,16 +318,18 @@ class ObjectTier:
             ident = objrows.identity(s, ckpt_id)
         base = objmanifest.step_dir(ident.run, ident.step, ident.incarnation)
         with self.sessions.begin() as s:  # not answered from the tier any more, before any object goes
-            objrows.set_verdict_all(s, ckpt_id, ShardState.DELETED, "deleted by object retention")
+            objrows.set_verdict_all(s, ckpt_id, ShardState.DELETED, objrows.RETIRED)
         self.objects.delete(objmanifest.manifest_key(ident.run, ident.step, ident.incarnation))
         for key, _size in self.objects.list(base + "/"):
             self.objects.delete(key)
         with self.sessions.begin() as s:
             objrows.drop_step(s, ckpt_id)
+        self._tier_changed = True
         log.info("object retention: run %s step %d deleted from %s", ident.run, ident.step, self.objects.url)
 
     def status(self) -> dict[str, Any]:
-        return {"store": str(self.objects.url), "problem": self.problem}
+        return {"store": str(self.objects.url), "problem": self.problem, "passes": self.passes,
+                "shard_attempts": self.shard_attempts, "shard_failures": self.shard_failures, "gc_runs": self.gc_runs}
 
 
 def per_rank_strategies(ident: objrows.StepIdentity) -> bool:
