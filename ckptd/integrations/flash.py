@@ -286,22 +286,18 @@ def load_into(path: str, targets: dict[str, np.ndarray], *, verified: str | None
             raise memslot.SlotError(f"{path}: the snapshot does not match this model: missing {missing[:3]}, "
                                     f"other shape or dtype {wrong[:3]}")
         if verified is not None and verified == snap.digest:
-            for e, v in snap.views():
-                if e.name in targets:
-                    np.copyto(targets[e.name].reshape(-1).view(np.uint8), np.frombuffer(v, np.uint8))
-                v.release()
+            for e in entries.values():
+                if e.name in targets:  # pread straight into the parameter: no mapping to fault on
+                    snap.readinto(e, memoryview(targets[e.name].reshape(-1).view(np.uint8)))
             if not snap.still_committed():
                 raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
             return snap.table
         hasher = snap.hasher()
-        for e, v in snap.views():
-            dst = targets[e.name].reshape(-1).view(np.uint8) if e.name in targets else None
-            for pos in range(0, e.nbytes, HASH_CHUNK):
-                chunk = v[pos:pos + HASH_CHUNK]
-                hasher.update(chunk)
-                if dst is not None:
-                    dst[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
-            v.release()
+        for e, pos, chunk in snap.chunks(HASH_CHUNK):
+            hasher.update(chunk)
+            if e.name in targets:
+                dst = targets[e.name].reshape(-1).view(np.uint8)
+                dst[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
         if not snap.check(hasher.digest()):  # raises on a damaged snapshot
             raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
         return snap.table

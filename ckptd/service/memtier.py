@@ -1,8 +1,9 @@
 """The memory tier, the daemon's side: a node's daemon owns the slots in its node's shared memory.
 
 One thread (the daemon's ``ckptd-memory``) scans the memory root. Per slot it reads the commit
-word only (16 bytes); a slot whose word changed is mapped, its table parsed, its identity checked
-and its digest computed over the mapping (tmpfs: no copy). A committed, whole snapshot becomes a
+word only (16 bytes); a slot whose word changed is read by descriptor (pread, never a mapping: a
+slot truncated while read would SIGBUS the daemon; cut short it is a refusal), its table parsed,
+its identity checked and its digest streamed in chunks. A committed, whole snapshot becomes a
 verified ``memory`` copy of its rank of its step (``catalog.copies``; the step row is the one its
 file would have, created as ingest would). The copy that slot held before goes ``deleted`` (the
 slot holds one snapshot at a time), and a step left with nothing anywhere loses its rows. Every
@@ -12,7 +13,8 @@ the daemon's key when the run is), through the confined store with an atomic wri
 then ingests and verifies it like any file. Training never waits for any of it.
 
 Refused (logged once per slot and snapshot, and recorded as a ``corrupt`` copy when its identity
-is known): a slot of another user than its run directory's, or readable by others; a table naming
+is known): a slot of another user than its run directory's, or readable by others; a slot
+shorter than its header says; a table naming
 a run directory outside this daemon's root, another rank, or a file outside the run; a global step
 that disagrees with the step's; shapes that are not the strategy's slice for the rank; a digest
 mismatch. A torn read (the job began overwriting the slot while it was read) is retried at the
@@ -289,10 +291,10 @@ class MemoryTier:
         digest (None: the job began overwriting the slot meanwhile)."""
         buf = memoryview(bytearray(snap.nbytes))
         out: dict[str, memoryview] = {}
-        for e, view in snap.views():
-            buf[e.offset:e.offset + e.nbytes] = view
-            view.release()
-            out[e.name] = buf[e.offset:e.offset + e.nbytes]
+        for e in snap.table.entries:
+            if e.is_tensor:  # pread into this daemon's buffer: a slot cut meanwhile is a SlotError
+                out[e.name] = buf[e.offset:e.offset + e.nbytes]
+                snap.readinto(e, out[e.name])
         hasher = snap.hasher()
         for e in snap.table.entries:
             if e.is_tensor:

@@ -1,0 +1,98 @@
+"""The memory tier's daemon side (ckptd/service/memtier.py) on a hostile memory root: a slot cut
+short is a recorded refusal, never a SIGBUS of the daemon."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+from sqlalchemy.orm import sessionmaker
+
+from ckptd.catalog.db import make_engine, upgrade
+from ckptd.integrations.flash import FlashWriter, load_into
+from ckptd.service.memtier import MemoryTier
+from ckptd.storage import PosixStorage, memslot
+
+
+@pytest.fixture
+def tier(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'catalog.db'}")
+    upgrade(engine)
+    (tmp_path / "root").mkdir()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    t = MemoryTier(sessionmaker(engine, expire_on_commit=False), PosixStorage(str(tmp_path / "root")), str(shm),
+                   "node1")
+    yield t
+    engine.dispose()
+
+
+def _state(seed: int) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [("w", rng.standard_normal((256, 129)).astype(np.float32)), ("b", np.arange(7, dtype=np.int64))]
+
+
+def _writer(tier: MemoryTier, rank: int = 0) -> FlashWriter:
+    run_dir = os.path.join(tier.store.root, "run1")
+    os.makedirs(os.path.join(run_dir, f"rank_{rank}"), exist_ok=True)
+    return FlashWriter(run_dir, rank, 1, root=tier.root)
+
+
+def _snapshot(w: FlashWriter, step: int) -> list[tuple[str, np.ndarray]]:
+    state = _state(step)
+    w.snapshot(step, 1, f"rank_{w.rank}/net-1_{step}.ckpt", state, [("step_num", step)])
+    w.wait()
+    return state
+
+
+def _committed(w: FlashWriter) -> str:
+    snap = memslot.newest(w.paths, uid=os.geteuid())
+    assert snap is not None
+    snap.close()
+    return snap.path
+
+
+def test_a_truncated_committed_slot_is_a_recorded_refusal_and_the_scan_goes_on(tier, caplog):
+    w = _writer(tier)
+    try:
+        _snapshot(w, 10)
+        path = _committed(w)
+        with open(path, "rb") as fh:
+            h = memslot.read_header(fh.read(memslot.PAGE), path)
+        size = h.payload_off + h.payload_len
+        os.truncate(path, memslot.PAGE * 2)  # the header and table stay; the payload is cut
+        with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
+            assert tier.scan() == 0
+            assert tier.scan() == 0  # logged once, still running
+        refusals = [r.getMessage() for r in caplog.records if "slot truncated" in r.getMessage()]
+        assert len(refusals) == 1 and f"header says {size} bytes, file has {memslot.PAGE * 2}" in refusals[0]
+        assert tier.seen[path].ckpt_id is None  # seen, not catalogued
+        with pytest.raises(memslot.SlotError, match="slot truncated"):
+            load_into(path, {n: np.zeros_like(a) for n, a in _state(10)})
+        # the job goes on: its next snapshot (into the other slot) is catalogued
+        _snapshot(w, 11)
+        assert tier.scan() == 1
+    finally:
+        w.release()
+
+
+def test_a_slot_truncated_between_the_header_and_the_payload_read_is_a_slot_error(tier):
+    w = _writer(tier)
+    try:
+        _snapshot(w, 20)
+        path = _committed(w)
+        snap = memslot.open_snapshot(path, uid=os.geteuid())  # header and table read
+        try:
+            os.truncate(path, memslot.PAGE + 100)  # a mapping of it would SIGBUS here
+            with pytest.raises(memslot.SlotError, match="slot truncated: header says"):
+                snap.verify()
+            with pytest.raises(memslot.SlotError, match="slot truncated"):
+                snap.read_tensor(snap.table.entries[0])
+        finally:
+            snap.close()
+        # the daemon's scan of the cut slot: a refusal, the daemon still here
+        assert tier.scan() == 0 and path in tier.seen
+    finally:
+        w.release()
