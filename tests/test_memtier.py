@@ -96,3 +96,80 @@ def test_a_slot_truncated_between_the_header_and_the_payload_read_is_a_slot_erro
         assert tier.scan() == 0 and path in tier.seen
     finally:
         w.release()
+
+
+def test_a_symlinked_rank_dir_is_refused_and_nothing_behind_it_is_read_or_removed(tier, tmp_path, caplog):
+    # valid slots of a real run, outside the memory root; a region whose rank_0 points at them
+    w = FlashWriter(os.path.join(tier.store.root, "run1"), 0, 1, root=str(tmp_path / "elsewhere"))
+    os.makedirs(os.path.join(tier.store.root, "run1", "rank_0"), exist_ok=True)
+    try:
+        _snapshot(w, 5)
+        region = os.path.join(tier.root, memslot.run_key(os.path.join(tier.store.root, "run1")))
+        os.mkdir(region, 0o700)
+        os.symlink(w.dir, os.path.join(region, "rank_0"))
+        before = {p: os.stat(p).st_size for p in w.paths if os.path.exists(p)}
+        assert before
+        tier.release_after = -1.0  # every region is released at its first scan
+        with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
+            assert tier.scan() == 0
+            tier.scan()
+        refused = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
+        assert len(refused) == 1 and "rank_0" in refused[0]
+        assert not tier.seen
+        assert {p: os.stat(p).st_size for p in before} == before  # not removed through the link
+        assert not os.path.lexists(region)  # the region itself (with its link) released
+    finally:
+        w.release()
+
+
+def test_a_symlinked_region_is_refused(tier, tmp_path, caplog):
+    w = FlashWriter(os.path.join(tier.store.root, "run1"), 0, 1, root=str(tmp_path / "elsewhere"))
+    os.makedirs(os.path.join(tier.store.root, "run1", "rank_0"), exist_ok=True)
+    try:
+        _snapshot(w, 5)
+        slot = _committed(w)
+        os.symlink(os.path.dirname(w.dir), os.path.join(tier.root, memslot.run_key(os.path.join(tier.store.root, "run1"))))
+        with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
+            assert tier.scan() == 0
+        assert any("symbolic link" in r.getMessage() for r in caplog.records) and not tier.seen
+        assert os.path.exists(slot)
+    finally:
+        w.release()
+
+
+def test_a_released_region_with_a_link_to_outside_leaves_the_outside_untouched(tier, outside):
+    (outside / "keep").mkdir()
+    (outside / "keep" / "precious").write_bytes(b"x")
+    w = _writer(tier)
+    try:
+        _snapshot(w, 7)
+        assert tier.scan() == 1
+        os.symlink(outside / "keep", os.path.join(w.dir, "link"))
+        os.symlink(outside / "keep" / "precious", os.path.join(os.path.dirname(w.dir), "file_link"))
+        tier.release_after = -1.0
+        tier.scan()
+        assert not os.path.lexists(os.path.dirname(w.dir))  # released
+        assert (outside / "keep" / "precious").read_bytes() == b"x"  # nothing followed
+        assert not tier.seen
+    finally:
+        w.release()
+
+
+def test_a_slot_of_another_mode_or_a_group_writable_rank_dir_is_refused(tier, caplog):
+    w = _writer(tier)
+    try:
+        _snapshot(w, 8)
+        path = _committed(w)
+        os.chmod(path, 0o644)
+        with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
+            assert tier.scan() == 0
+            tier.scan()
+        assert len([r for r in caplog.records if "mode 0644" in r.getMessage()]) == 1
+        os.chmod(path, 0o600)
+        os.chmod(w.dir, 0o770)
+        with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
+            assert tier.scan() == 0
+        assert any("mode 0770" in r.getMessage() for r in caplog.records)
+        os.chmod(w.dir, 0o700)
+    finally:
+        w.release()

@@ -18,7 +18,9 @@ shorter than its header says; a table naming
 a run directory outside this daemon's root, another rank, or a file outside the run; a global step
 that disagrees with the step's; shapes that are not the strategy's slice for the rank; a digest
 mismatch. A torn read (the job began overwriting the slot while it was read) is retried at the
-next scan, never answered. Regions whose slots have not changed for ``release_after`` seconds
+next scan, never answered. The root is walked by descriptor without following links
+(``ckptd.storage.memroot``): a linked region, rank directory or slot, or one of another user or
+mode, is refused. Regions whose slots have not changed for ``release_after`` seconds
 (no live job) are removed, their copies marked deleted.
 """
 
@@ -38,9 +40,24 @@ from ckptd.runnames import parse_rank_dir
 from ckptd.catalog import copies, removal
 from ckptd.errors import CkptdError
 from ckptd.states import ShardState, Tier
-from ckptd.storage import PosixStorage, memslot
+from ckptd.storage import PosixStorage, memroot, memslot
 
 log = logging.getLogger("ckptd.memory")
+
+
+@dataclass
+class Region:
+    """A run's region under the memory root, its directories held open for one scan."""
+
+    key: str
+    uid: int  # its owner: every rank directory and slot in it must be theirs
+    fds: list[int]
+    slots: list[tuple[int, int, str, str]]  # (rank, rank directory's descriptor, slot name, path)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
 
 
 @dataclass
@@ -133,59 +150,84 @@ class MemoryTier:
     def _scan(self) -> int:
         done = 0
         now = time.monotonic()
-        regions = self._regions()
-        self.idle = not regions
-        for key, ranks in regions:
-            for rank, path in ranks:
-                if not os.path.lexists(path):
-                    self._gone(path, "the slot was removed")
-                    continue
-                before = self.seen.get(path)
-                done += self._examine(key, rank, path)
-                if before is None or self.seen.get(path) is None or self.seen[path].seq != before.seq:
-                    self.active[key] = now  # a commit word moved: a job is writing here
-            # a slot's mtime says nothing here (stores through a shared mapping of tmpfs do not
-            # update it): a region is live while its commit words move
-            if now - self.active.setdefault(key, now) > self.release_after:
-                self._release(key, [p for _, p in ranks])
-                del self.active[key]
-        for path in [p for p in self.seen if not os.path.lexists(p)]:
+        root_fd = memroot.open_root(self.root)
+        if root_fd is None:
+            self.idle = True
+            return 0
+        visited: set[str] = set()
+        try:
+            regions = self._regions(root_fd)
+            self.idle = not regions
+            for region in regions:
+                try:
+                    done += self._scan_region(root_fd, region, now, visited)
+                finally:
+                    region.close()
+        finally:
+            os.close(root_fd)
+        for path in [p for p in self.seen if p not in visited]:
             self._gone(path, "the slot was removed")
         return done
 
-    def _regions(self) -> list[tuple[str, list[tuple[int, str]]]]:
-        """(run key, [(rank, slot path)]) under the memory root, owner-checked on the way."""
+    def _scan_region(self, root_fd: int, region: Region, now: float, visited: set[str]) -> int:
+        done = 0
+        for rank, dir_fd, slot, path in region.slots:
+            if not memroot.exists(dir_fd, slot):
+                continue  # never written, or removed: _scan forgets what it held
+            visited.add(path)
+            before = self.seen.get(path)
+            done += self._examine(region, rank, dir_fd, path)
+            if before is None or self.seen.get(path) is None or self.seen[path].seq != before.seq:
+                self.active[region.key] = now  # a commit word moved: a job is writing here
+        # a slot's mtime says nothing here (stores through a shared mapping of tmpfs do not
+        # update it): a region is live while its commit words move
+        if now - self.active.setdefault(region.key, now) > self.release_after:
+            self._release(root_fd, region.key, [p for *_, p in region.slots])
+            del self.active[region.key]
+        return done
+
+    def _regions(self, root_fd: int) -> list[Region]:
+        """The regions under the memory root, each level opened by descriptor without following a
+        link and owner-checked (``ckptd.storage.memroot``); what fails is refused, logged once."""
         out = []
-        try:
-            keys = sorted(os.listdir(self.root))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        for key in keys:
+        for key in memroot.names(root_fd):
             if key.startswith("."):  # the persist marker (and its temp name): ckptd's own
                 continue
-            region = os.path.join(self.root, key)
+            where = os.path.join(self.root, key)
             try:
-                st = os.lstat(region)
+                fd, uid = memroot.private_dir(root_fd, key, where)
             except FileNotFoundError:
                 continue
-            if not os.path.isdir(region) or os.path.islink(region) or st.st_mode & 0o077:
-                self._refuse_once(region, 0, f"{region}: not a private directory (mode "
-                                             f"{st.st_mode & 0o7777:04o}): its slots are not read")
+            except memslot.SlotError as err:
+                self._refuse_once(where, 0, str(err))
                 continue
-            ranks = []
-            for name in sorted(os.listdir(region)):
-                rank = parse_rank_dir(name)
-                if rank is None:
-                    continue
-                for slot in memslot.SLOTS:
-                    ranks.append((rank, os.path.join(region, name, slot)))
-            out.append((key, ranks))
+            region = Region(key, uid, [fd], [])
+            try:
+                for name in memroot.names(fd):
+                    rank = parse_rank_dir(name)
+                    if rank is None:
+                        continue
+                    try:
+                        rank_fd, _ = memroot.private_dir(fd, name, os.path.join(where, name), uid)
+                    except FileNotFoundError:
+                        continue
+                    except memslot.SlotError as err:
+                        self._refuse_once(os.path.join(where, name), 0, str(err))
+                        continue
+                    region.fds.append(rank_fd)
+                    region.slots += [(rank, rank_fd, slot, os.path.join(where, name, slot)) for slot in memslot.SLOTS]
+            except OSError:
+                region.close()
+                continue
+            out.append(region)
         return out
 
     @staticmethod
-    def _header(path: str) -> memslot.Header | None:
+    def _header(dir_fd: int, path: str) -> memslot.Header | None:
+        """The slot's header (its commit word is what a scan compares), None when unreadable;
+        a slot that is a link raises SlotError."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = memroot.open_slot(dir_fd, os.path.basename(path), path)
         except OSError:
             return None
         try:
@@ -197,21 +239,29 @@ class MemoryTier:
         except memslot.SlotError:
             return None
 
-    def _examine(self, key: str, rank: int, path: str) -> int:
-        header = self._header(path)
+    def _open(self, region: Region, dir_fd: int, path: str) -> memslot.Snapshot | None:
+        fd = memroot.open_slot(dir_fd, os.path.basename(path), path)
+        return memslot.snapshot_at(fd, path, uid=region.uid)
+
+    def _examine(self, region: Region, rank: int, dir_fd: int, path: str) -> int:
+        try:
+            header = self._header(dir_fd, path)
+        except memslot.SlotError as err:
+            self._refuse_once(path, 0, str(err))
+            self._gone(path, "the slot was replaced by a link")
+            return 0
         seq = header.seq if header is not None else 0
         known = self.seen.get(path)
         if known is not None and known.seq == seq:
             if known.ckpt_id is not None and time.monotonic() - known.checked > self.scrub_after:
-                self._scrub(key, rank, path, known)
+                self._scrub(region, rank, dir_fd, path, known)
             return 0
         if seq == 0:  # being written: what it held is gone
             if known is not None and known.ckpt_id is not None:
                 self._gone(path, "the slot is being overwritten")
             return 0
-        uid = os.lstat(os.path.dirname(os.path.dirname(path))).st_uid
         try:
-            snap = memslot.open_snapshot(path, uid=uid)
+            snap = self._open(region, dir_fd, path)
         except FileNotFoundError:
             return 0
         except memslot.SlotError as err:
@@ -222,7 +272,7 @@ class MemoryTier:
         if snap is None:
             return 0  # torn: the next scan sees it committed or not
         try:
-            return self._catalogue(key, rank, path, snap)
+            return self._catalogue(region.key, rank, path, snap)
         finally:
             snap.close()
 
@@ -327,12 +377,13 @@ class MemoryTier:
         found = stepcheck.slice_problems(rank, shapes, self._strategies[key])
         return "; ".join(found[:3]) if found else None
 
-    def _scrub(self, key: str, rank: int, path: str, known: Seen) -> None:
+    def _scrub(self, region: Region, rank: int, dir_fd: int, path: str, known: Seen) -> None:
         """Hash an idle slot again (a job that crashed left it; a restore will trust it): damage
         makes its copy ``corrupt`` with the reason, so it is never answered."""
         known.checked = time.monotonic()
+        key = region.key
         try:
-            snap = memslot.open_snapshot(path, uid=os.lstat(os.path.dirname(os.path.dirname(path))).st_uid)
+            snap = self._open(region, dir_fd, path)
             if snap is None or snap.seq != known.seq:
                 return  # being overwritten: the next scan catalogues what comes
             try:
@@ -390,13 +441,12 @@ class MemoryTier:
         with self.sessions.begin() as s:
             self._prune(s, copies.set_state_at(s, Tier.MEMORY, loc, ShardState.DELETED, why))
 
-    def _release(self, key: str, paths: list[str]) -> None:
-        """A region no job has written for ``release_after``: its memory goes back to the node."""
-        import shutil
-
+    def _release(self, root_fd: int, key: str, paths: list[str]) -> None:
+        """A region no job has written for ``release_after``: its memory goes back to the node
+        (removed by name under the root's descriptor: a link inside is unlinked, never followed)."""
         for path in paths:
             self._gone(path, f"released: no snapshot for {self.release_after:.0f} s")
-        shutil.rmtree(os.path.join(self.root, key), ignore_errors=True)
+        memroot.remove_tree(root_fd, key)
         log.info("memory tier: released %s (no snapshot for %.0f s)", key, self.release_after)
 
     @staticmethod
