@@ -17,16 +17,30 @@ from ckptd.storage import PosixStorage, memslot
 
 
 @pytest.fixture
-def tier(tmp_path):
+def make_tier(tmp_path):
     engine = make_engine(f"sqlite:///{tmp_path / 'catalog.db'}")
     upgrade(engine)
     (tmp_path / "root").mkdir()
     shm = tmp_path / "shm"
     shm.mkdir()
-    t = MemoryTier(sessionmaker(engine, expire_on_commit=False), PosixStorage(str(tmp_path / "root")), str(shm),
-                   "node1")
-    yield t
+    yield lambda **kw: MemoryTier(sessionmaker(engine, expire_on_commit=False), PosixStorage(str(tmp_path / "root")),
+                                  str(shm), "node1", **kw)
     engine.dispose()
+
+
+class Clock:
+    """A monotonic clock the test moves: a failing region's back-off passes when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def tier(make_tier):
+    return make_tier(clock=Clock())
 
 
 def _state(seed: int) -> list[tuple[str, np.ndarray]]:
@@ -34,8 +48,8 @@ def _state(seed: int) -> list[tuple[str, np.ndarray]]:
     return [("w", rng.standard_normal((256, 129)).astype(np.float32)), ("b", np.arange(7, dtype=np.int64))]
 
 
-def _writer(tier: MemoryTier, rank: int = 0) -> FlashWriter:
-    run_dir = os.path.join(tier.store.root, "run1")
+def _writer(tier: MemoryTier, rank: int = 0, run: str = "run1") -> FlashWriter:
+    run_dir = os.path.join(tier.store.root, run)
     os.makedirs(os.path.join(run_dir, f"rank_{rank}"), exist_ok=True)
     return FlashWriter(run_dir, rank, 1, root=tier.root)
 
@@ -73,6 +87,7 @@ def test_a_truncated_committed_slot_is_a_recorded_refusal_and_the_scan_goes_on(t
             load_into(path, {n: np.zeros_like(a) for n, a in _state(10)})
         # the job goes on: its next snapshot (into the other slot) is catalogued
         _snapshot(w, 11)
+        tier.clock.now += 61  # past the failing region's back-off
         assert tier.scan() == 1
     finally:
         w.release()
@@ -167,9 +182,56 @@ def test_a_slot_of_another_mode_or_a_group_writable_rank_dir_is_refused(tier, ca
         assert len([r for r in caplog.records if "mode 0644" in r.getMessage()]) == 1
         os.chmod(path, 0o600)
         os.chmod(w.dir, 0o770)
+        tier.clock.now += 61
         with caplog.at_level(logging.WARNING, logger="ckptd.memory"):
             assert tier.scan() == 0
         assert any("mode 0770" in r.getMessage() for r in caplog.records)
         os.chmod(w.dir, 0o700)
+    finally:
+        w.release()
+
+
+def test_a_failing_region_backs_off_doubling_to_a_minute_and_a_healthy_one_keeps_the_cadence(make_tier):
+    now = [0.0]
+    tier = make_tier(clock=lambda: now[0])
+    bad, good = _writer(tier, run="run1"), _writer(tier, run="run2")
+    try:
+        _snapshot(bad, 10)
+        os.chmod(_committed(bad), 0o644)  # refused: a slot others may read
+        _snapshot(good, 10)
+        key, ok = os.path.basename(os.path.dirname(bad.dir)), os.path.basename(os.path.dirname(good.dir))
+        assert tier.scan() == 1 and tier.backoff == {key: (1.0, 1.0)}
+        now[0] = 0.5
+        assert tier.scan() == 0 and tier.backoff == {key: (1.0, 1.0)}  # not looked at yet
+        delays = []
+        while now[0] < 200:
+            now[0] = tier.backoff[key][0]
+            tier.scan()
+            delays.append(tier.backoff[key][1])
+        assert delays[:7] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0] and set(delays[5:]) == {60.0}
+        assert ok not in tier.backoff
+        # the healthy region keeps the scan's cadence: its next snapshot is catalogued at once,
+        # the failing one's only when its back-off ends -- and the moved commit word resets it
+        now[0] += 1.0
+        _snapshot(good, 11)
+        _snapshot(bad, 11)
+        assert tier.scan() == 1 and ok not in tier.backoff
+        now[0] = tier.backoff[key][0]
+        assert tier.scan() == 1  # bad's step 11, in its other slot
+        assert tier.backoff[key] == (now[0] + 1.0, 1.0)  # reset: slot_0 is still refused
+    finally:
+        bad.release()
+        good.release()
+
+
+def test_a_memory_root_wiped_whole_forgets_what_it_held(tier):
+    import shutil
+
+    w = _writer(tier)
+    try:
+        _snapshot(w, 3)
+        assert tier.scan() == 1 and tier.seen
+        shutil.rmtree(tier.root)  # the node rebooted, or /dev/shm was cleared
+        assert tier.scan() == 0 and not tier.seen and tier.idle
     finally:
         w.release()

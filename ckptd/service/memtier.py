@@ -21,7 +21,8 @@ mismatch. A torn read (the job began overwriting the slot while it was read) is 
 next scan, never answered. The root is walked by descriptor without following links
 (``ckptd.storage.memroot``): a linked region, rank directory or slot, or one of another user or
 mode, is refused. Regions whose slots have not changed for ``release_after`` seconds
-(no live job) are removed, their copies marked deleted.
+(no live job) are removed, their copies marked deleted. A region whose slots keep failing is
+looked at again with back-off (1 s doubling to 60 s, reset when a commit word there moves).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +46,9 @@ from ckptd.storage import PosixStorage, memroot, memslot
 
 log = logging.getLogger("ckptd.memory")
 
+#: a region whose slots keep failing is looked at again after this, doubling up to the maximum
+BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
+
 
 @dataclass
 class Region:
@@ -53,6 +58,7 @@ class Region:
     uid: int  # its owner: every rank directory and slot in it must be theirs
     fds: list[int]
     slots: list[tuple[int, int, str, str]]  # (rank, rank directory's descriptor, slot name, path)
+    failed: bool = False  # a rank directory was refused
 
     def close(self) -> None:
         for fd in self.fds:
@@ -68,15 +74,24 @@ class Seen:
     ckpt_id: int | None = None
     digest: str | None = None
     checked: float = 0.0  # when its digest was last computed (monotonic)
+    failed: bool = False  # refused or corrupt: its region is re-examined with back-off
+
+
+def region_of(path: str) -> str:
+    """The run key of a slot path ``<root>/<key>/rank_<r>/<slot>``."""
+    return os.path.basename(os.path.dirname(os.path.dirname(path)))
 
 
 class MemoryTier:
     def __init__(self, sessions: sessionmaker[Session], store: PosixStorage, memory_root: str, node: str, *,
                  persist_every: int = 0, key: bytes | None = None, release_after: float = 3600.0,
-                 scrub_after: float = 300.0) -> None:
+                 scrub_after: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions, self.store, self.root, self.node = sessions, store, memory_root, node
         self.persist_every, self.key, self.release_after = persist_every, key, release_after
-        self.scrub_after = scrub_after
+        self.scrub_after, self.clock = scrub_after, clock
+        # run key -> (when it is examined next, the delay that set it): a region whose slots keep
+        # failing costs a scan of the root once per delay, not once per scan interval
+        self.backoff: dict[str, tuple[float, float]] = {}
         self._strategies: dict[tuple[str, str], object] = {}
         self.seen: dict[str, Seen] = {}
         self._refused: set[tuple[str, int]] = set()
@@ -149,28 +164,29 @@ class MemoryTier:
 
     def _scan(self) -> int:
         done = 0
-        now = time.monotonic()
+        now = self.clock()
         root_fd = memroot.open_root(self.root)
-        if root_fd is None:
-            self.idle = True
-            return 0
         visited: set[str] = set()
-        try:
-            regions = self._regions(root_fd)
-            self.idle = not regions
-            for region in regions:
-                try:
-                    done += self._scan_region(root_fd, region, now, visited)
-                finally:
-                    region.close()
-        finally:
-            os.close(root_fd)
-        for path in [p for p in self.seen if p not in visited]:
+        self.idle = True
+        if root_fd is not None:  # a root wiped whole: everything it held is forgotten below
+            try:
+                regions = self._regions(root_fd, now)
+                self.idle = not regions
+                for region in regions:
+                    try:
+                        done += self._scan_region(root_fd, region, now, visited)
+                    finally:
+                        region.close()
+            finally:
+                os.close(root_fd)
+        # a region backing off was not looked at: what its slots held is kept until it is
+        waiting = {k for k in self.backoff if self._backing_off(k, now)}
+        for path in [p for p in self.seen if p not in visited and region_of(p) not in waiting]:
             self._gone(path, "the slot was removed")
         return done
 
     def _scan_region(self, root_fd: int, region: Region, now: float, visited: set[str]) -> int:
-        done = 0
+        done, moved = 0, False
         for rank, dir_fd, slot, path in region.slots:
             if not memroot.exists(dir_fd, slot):
                 continue  # never written, or removed: _scan forgets what it held
@@ -179,6 +195,11 @@ class MemoryTier:
             done += self._examine(region, rank, dir_fd, path)
             if before is None or self.seen.get(path) is None or self.seen[path].seq != before.seq:
                 self.active[region.key] = now  # a commit word moved: a job is writing here
+                moved = True
+        if region.failed or any(p in self.seen and self.seen[p].failed for *_, p in region.slots):
+            self._back_off(region.key, now, reset=moved)
+        else:
+            self.backoff.pop(region.key, None)
         # a slot's mtime says nothing here (stores through a shared mapping of tmpfs do not
         # update it): a region is live while its commit words move
         if now - self.active.setdefault(region.key, now) > self.release_after:
@@ -186,13 +207,24 @@ class MemoryTier:
             del self.active[region.key]
         return done
 
-    def _regions(self, root_fd: int) -> list[Region]:
+    def _backing_off(self, key: str, now: float) -> bool:
+        b = self.backoff.get(key)
+        return b is not None and now < b[0]
+
+    def _back_off(self, key: str, now: float, reset: bool) -> None:
+        """Next look at a failing region after 1 s, doubling to 60 s; from 1 s again after a
+        commit word moved (a job wrote something new there)."""
+        b = self.backoff.get(key)
+        delay = BACKOFF_MIN if reset or b is None else min(b[1] * 2, BACKOFF_MAX)
+        self.backoff[key] = (now + delay, delay)
+
+    def _regions(self, root_fd: int, now: float) -> list[Region]:
         """The regions under the memory root, each level opened by descriptor without following a
         link and owner-checked (``ckptd.storage.memroot``); what fails is refused, logged once."""
         out = []
         for key in memroot.names(root_fd):
-            if key.startswith("."):  # the persist marker (and its temp name): ckptd's own
-                continue
+            if key.startswith(".") or self._backing_off(key, now):
+                continue  # ckptd's own persist marker (and temp name); a failing region backing off
             where = os.path.join(self.root, key)
             try:
                 fd, uid = memroot.private_dir(root_fd, key, where)
@@ -200,6 +232,7 @@ class MemoryTier:
                 continue
             except memslot.SlotError as err:
                 self._refuse_once(where, 0, str(err))
+                self._back_off(key, now, reset=False)
                 continue
             region = Region(key, uid, [fd], [])
             try:
@@ -213,6 +246,7 @@ class MemoryTier:
                         continue
                     except memslot.SlotError as err:
                         self._refuse_once(os.path.join(where, name), 0, str(err))
+                        region.failed = True
                         continue
                     region.fds.append(rank_fd)
                     region.slots += [(rank, rank_fd, slot, os.path.join(where, name, slot)) for slot in memslot.SLOTS]
@@ -249,11 +283,12 @@ class MemoryTier:
         except memslot.SlotError as err:
             self._refuse_once(path, 0, str(err))
             self._gone(path, "the slot was replaced by a link")
+            self.seen[path] = Seen(0, failed=True)
             return 0
         seq = header.seq if header is not None else 0
         known = self.seen.get(path)
         if known is not None and known.seq == seq:
-            if known.ckpt_id is not None and time.monotonic() - known.checked > self.scrub_after:
+            if known.ckpt_id is not None and self.clock() - known.checked > self.scrub_after:
                 self._scrub(region, rank, dir_fd, path, known)
             return 0
         if seq == 0:  # being written: what it held is gone
@@ -267,7 +302,7 @@ class MemoryTier:
         except memslot.SlotError as err:
             self._refuse_once(path, seq, str(err))
             self._gone(path, "the slot was overwritten")
-            self.seen[path] = Seen(seq)
+            self.seen[path] = Seen(seq, failed=True)
             return 0
         if snap is None:
             return 0  # torn: the next scan sees it committed or not
@@ -291,7 +326,7 @@ class MemoryTier:
             self._refuse_once(path, snap.seq, f"{path}: names the file {t.file!r}, not a trained step's shard of "
                                               f"run {t.run!r}: not catalogued")
             self._gone(path, "the slot was overwritten")
-            self.seen[path] = Seen(snap.seq)
+            self.seen[path] = Seen(snap.seq, failed=True)
             return 0
         if name.rank != rank or t.rank != rank:
             problem = f"the slot of rank {rank} holds rank {t.rank}'s snapshot named {t.file}"
@@ -330,7 +365,7 @@ class MemoryTier:
             ckpt_id = ckpt.id
         if problem:
             log.warning("memory tier: %s: step %s rank %d: %s", path, t.global_step, rank, problem)
-        self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest, time.monotonic())
+        self.seen[path] = Seen(snap.seq, ckpt_id, snap.digest, self.clock(), failed=bool(problem))
         self.snapshots += 1
         if not problem and held is not None:
             self._persist(t, held, target, snap.seq)
@@ -380,7 +415,7 @@ class MemoryTier:
     def _scrub(self, region: Region, rank: int, dir_fd: int, path: str, known: Seen) -> None:
         """Hash an idle slot again (a job that crashed left it; a restore will trust it): damage
         makes its copy ``corrupt`` with the reason, so it is never answered."""
-        known.checked = time.monotonic()
+        known.checked = self.clock()
         key = region.key
         try:
             snap = self._open(region, dir_fd, path)
