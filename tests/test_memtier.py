@@ -235,3 +235,26 @@ def test_a_memory_root_wiped_whole_forgets_what_it_held(tier):
         assert tier.scan() == 0 and not tier.seen and tier.idle
     finally:
         w.release()
+
+
+def test_at_start_a_copy_is_kept_only_if_its_slot_reached_without_links_still_holds_it(make_tier, tmp_path):
+    first = make_tier(clock=Clock())
+    w = _writer(first)
+    try:
+        _snapshot(w, 4)
+        path = _committed(w)
+        assert first.scan() == 1
+        again = make_tier(clock=Clock())
+        again.reconcile()  # the daemon restarted: the slot still holds the copy
+        assert again.seen[path].ckpt_id == first.seen[path].ckpt_id
+        # the region moved away and a link left in its place: the copy is not kept through it
+        region = os.path.dirname(w.dir)
+        os.rename(region, str(tmp_path / "moved"))
+        os.symlink(str(tmp_path / "moved"), region)
+        third = make_tier(clock=Clock())
+        third.reconcile()
+        assert path not in third.seen
+        os.unlink(region)
+        os.rename(str(tmp_path / "moved"), region)
+    finally:
+        w.release()

@@ -117,7 +117,7 @@ class MemoryTier:
             gone: list[int] = []
             for ckpt_id, _, loc, digest in copies.live_on_node(s, Tier.MEMORY, self.node):
                 path = memslot.path_of(self.root, loc)
-                header = self._header(path)
+                header = self._parse_header(memroot.head_at(self.root, path, memslot.HEADER.size), path)
                 if header is not None and header.seq and header.digest.hex() == digest:
                     # the same snapshot by its header: the next scan's scrub hashes it again
                     self.seen[path] = Seen(header.seq, ckpt_id, digest)
@@ -265,11 +265,14 @@ class MemoryTier:
         except OSError:
             return None
         try:
-            head = os.pread(fd, memslot.HEADER.size, 0)
+            return MemoryTier._parse_header(os.pread(fd, memslot.HEADER.size, 0), path)
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _parse_header(head: bytes | None, path: str) -> memslot.Header | None:
         try:
-            return memslot.read_header(head + b"\0" * (memslot.PAGE - len(head)), path)
+            return memslot.read_header(head + b"\0" * (memslot.PAGE - len(head)), path) if head else None
         except memslot.SlotError:
             return None
 

@@ -116,3 +116,27 @@ def _unlink(dir_fd: int, name: str) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
+
+
+def head_at(root: str, path: str, nbytes: int) -> bytes | None:
+    """The first ``nbytes`` of the slot ``path`` (``<root>/<region>/<rank dir>/<slot>``), reached
+    as a scan reaches it: each level by descriptor, never through a link, the directories checked
+    as :func:`private_dir` does. None when it is not there or is refused."""
+    parts = os.path.relpath(path, root).split(os.sep)
+    root_fd = open_root(root)
+    if len(parts) != 3 or root_fd is None or ".." in parts:
+        if root_fd is not None:
+            os.close(root_fd)
+        return None
+    fds = [root_fd]
+    try:
+        region_fd, uid = private_dir(root_fd, parts[0], os.path.join(root, parts[0]))
+        fds.append(region_fd)
+        fds.append(private_dir(region_fd, parts[1], os.path.dirname(path), uid)[0])
+        fds.append(open_slot(fds[-1], parts[2], path))
+        return os.pread(fds[-1], nbytes, 0)
+    except (OSError, SlotError):
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
