@@ -31,8 +31,8 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
@@ -43,27 +43,12 @@ from ckptd.catalog import copies, removal
 from ckptd.errors import CkptdError
 from ckptd.states import ShardState, Tier
 from ckptd.storage import PosixStorage, memroot, memslot
+from ckptd.storage.memroot import Region
 
 log = logging.getLogger("ckptd.memory")
 
 #: a region whose slots keep failing is looked at again after this, doubling up to the maximum
 BACKOFF_MIN, BACKOFF_MAX = 1.0, 60.0
-
-
-@dataclass
-class Region:
-    """A run's region under the memory root, its directories held open for one scan."""
-
-    key: str
-    uid: int  # its owner: every rank directory and slot in it must be theirs
-    fds: list[int]
-    slots: list[tuple[int, int, str, str]]  # (rank, rank directory's descriptor, slot name, path)
-    failed: bool = False  # a rank directory was refused
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds.clear()
 
 
 @dataclass
@@ -221,8 +206,10 @@ class MemoryTier:
     def _regions(self, root_fd: int, now: float) -> list[Region]:
         """The regions under the memory root, each level opened by descriptor without following a
         link and owner-checked (``ckptd.storage.memroot``); what fails is refused, logged once."""
-        out = []
-        for key in memroot.names(root_fd):
+        out, keys = [], memroot.names(root_fd)
+        for gone in set(self.backoff) - set(keys):  # a region removed: nothing to back off from
+            del self.backoff[gone]
+        for key in keys:
             if key.startswith(".") or self._backing_off(key, now):
                 continue  # ckptd's own persist marker (and temp name); a failing region backing off
             where = os.path.join(self.root, key)

@@ -13,12 +13,29 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass
 
 from ckptd.storage.memslot import SlotError
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 SLOT_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+
+
+@dataclass
+class Region:
+    """A run's region under the memory root, its directories held open for one scan."""
+
+    key: str
+    uid: int  # its owner: every rank directory and slot in it must be theirs
+    fds: list[int]
+    slots: list[tuple[int, int, str, str]]  # (rank, rank directory's descriptor, slot name, path)
+    failed: bool = False  # a rank directory was refused
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
 
 
 def open_root(path: str) -> int | None:
