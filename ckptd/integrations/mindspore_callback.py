@@ -450,8 +450,9 @@ def _load_slot(path: str, verified: str | None) -> dict:
     try:
         out: dict = {}
         for e in snap.table.entries:
-            if e.is_tensor:  # read into a buffer of its own (a pread: a truncated slot is an error, not SIGBUS)
-                data = np.frombuffer(snap.read_tensor(e), dtype=e.dtype).reshape(e.shape)
+            if e.is_tensor:  # pread into an array of its own (a truncated slot is an error, not SIGBUS)
+                data = np.empty(e.shape, dtype=e.dtype)
+                snap.readinto(e, memoryview(data.reshape(-1).view(np.uint8)))
                 out[e.name] = ms.Parameter(ms.Tensor.from_numpy(data), name=e.name)
         for e in snap.table.entries:
             if not e.is_tensor:
