@@ -210,15 +210,16 @@ def test_a_failing_region_backs_off_doubling_to_a_minute_and_a_healthy_one_keeps
             delays.append(tier.backoff[key][1])
         assert delays[:7] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0] and set(delays[5:]) == {60.0}
         assert ok not in tier.backoff
-        # the healthy region keeps the scan's cadence: its next snapshot is catalogued at once,
-        # the failing one's only when its back-off ends -- and the moved commit word resets it
+        # the healthy region keeps the scan's cadence; the failing one, backing off, still has its
+        # commit words read: a new snapshot there is catalogued at once and resets the back-off
         now[0] += 1.0
         _snapshot(good, 11)
         _snapshot(bad, 11)
-        assert tier.scan() == 1 and ok not in tier.backoff
-        now[0] = tier.backoff[key][0]
-        assert tier.scan() == 1  # bad's step 11, in its other slot
+        assert tier.scan() == 2 and ok not in tier.backoff  # both: bad's commit word moved
         assert tier.backoff[key] == (now[0] + 1.0, 1.0)  # reset: slot_0 is still refused
+        before = tier.backoff[key]
+        now[0] += 0.5
+        assert tier.scan() == 0 and tier.backoff[key] == before  # nothing moved: the delay runs on
     finally:
         bad.release()
         good.release()

@@ -22,7 +22,8 @@ next scan, never answered. The root is walked by descriptor without following li
 (``ckptd.storage.memroot``): a linked region, rank directory or slot, or one of another user or
 mode, is refused. Regions whose slots have not changed for ``release_after`` seconds
 (no live job) are removed, their copies marked deleted. A region whose slots keep failing is
-looked at again with back-off (1 s doubling to 60 s, reset when a commit word there moves).
+looked at again with back-off (1 s doubling to 60 s, reset when a commit word there moves; its
+commit words are still read every scan).
 """
 
 from __future__ import annotations
@@ -171,20 +172,24 @@ class MemoryTier:
         return done
 
     def _scan_region(self, root_fd: int, region: Region, now: float, visited: set[str]) -> int:
-        done, moved = 0, False
+        done, moved, waiting = 0, False, self._backing_off(region.key, now)
         for rank, dir_fd, slot, path in region.slots:
             if not memroot.exists(dir_fd, slot):
                 continue  # never written, or removed: _scan forgets what it held
             visited.add(path)
             before = self.seen.get(path)
+            # backing off, only commit words are read (16 bytes): a moved one is examined at once,
+            # so the settled barrier's scan never misses a new snapshot in a failing region
+            if waiting and before is not None and self._word(dir_fd, path) == before.seq:
+                continue
             done += self._examine(region, rank, dir_fd, path)
             if before is None or self.seen.get(path) is None or self.seen[path].seq != before.seq:
                 self.active[region.key] = now  # a commit word moved: a job is writing here
                 moved = True
-        if region.failed or any(p in self.seen and self.seen[p].failed for *_, p in region.slots):
-            self._back_off(region.key, now, reset=moved)
-        else:
+        if not (region.failed or any(p in self.seen and self.seen[p].failed for *_, p in region.slots)):
             self.backoff.pop(region.key, None)
+        elif moved or not waiting:  # backing off with no word moved: the delay runs on
+            self._back_off(region.key, now, reset=moved)
         # a slot's mtime says nothing here (stores through a shared mapping of tmpfs do not
         # update it): a region is live while its commit words move
         if now - self.active.setdefault(region.key, now) > self.release_after:
@@ -210,8 +215,8 @@ class MemoryTier:
         for gone in set(self.backoff) - set(keys):  # a region removed: nothing to back off from
             del self.backoff[gone]
         for key in keys:
-            if key.startswith(".") or self._backing_off(key, now):
-                continue  # ckptd's own persist marker (and temp name); a failing region backing off
+            if key.startswith(".") or (key not in self.active and self._backing_off(key, now)):
+                continue  # ckptd's own persist marker (and temp name); a region refused whole, backing off
             where = os.path.join(self.root, key)
             try:
                 fd, uid = memroot.private_dir(root_fd, key, where)
@@ -255,6 +260,14 @@ class MemoryTier:
             return MemoryTier._parse_header(os.pread(fd, memslot.HEADER.size, 0), path)
         finally:
             os.close(fd)
+
+    def _word(self, dir_fd: int, path: str) -> int:
+        """A slot's commit word (-1: it is a link now, which _examine refuses)."""
+        try:
+            header = self._header(dir_fd, path)
+        except memslot.SlotError:
+            return -1
+        return header.seq if header is not None else 0
 
     @staticmethod
     def _parse_header(head: bytes | None, path: str) -> memslot.Header | None:
