@@ -419,7 +419,6 @@ class MemoryTier:
         """Hash an idle slot again (a job that crashed left it; a restore will trust it): damage
         makes its copy ``corrupt`` with the reason, so it is never answered."""
         known.checked = self.clock()
-        key = region.key
         try:
             snap = self._open(region, dir_fd, path)
             if snap is None or snap.seq != known.seq:
@@ -434,7 +433,7 @@ class MemoryTier:
             return
         except memslot.SlotError as err:
             problem = err.message
-        loc = memslot.location(self.node, key, rank, os.path.basename(path))
+        loc = memslot.location(self.node, region.key, rank, os.path.basename(path))
         with self.sessions.begin() as s:
             copies.set_state_at(s, Tier.MEMORY, loc, ShardState.CORRUPT, problem)
         log.warning("memory tier: %s", problem)
