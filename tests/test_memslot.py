@@ -178,3 +178,23 @@ def test_a_scalar_keeps_its_zero_dimensions(writer):
     snap = memslot.newest(writer.paths)
     assert [e.shape for e in snap.table.entries] == [()]
     snap.close()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_the_job_creates_its_directories_0700_and_its_slots_0600_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        w = FlashWriter(str(tmp_path / "root" / "run1"), 0, 1, root=str(tmp_path / "shm"))
+        try:
+            for step in (1, 2):  # both slots, the second a reopen of neither
+                w.snapshot(step, 1, f"rank_0/net-1_{step}.ckpt", _state(step), [])
+                w.wait()
+            assert {os.stat(p).st_mode & 0o7777 for p in w.paths} == {0o600}
+            assert {os.stat(d).st_mode & 0o7777 for d in (w.dir, os.path.dirname(w.dir))} == {0o700}
+            snap = memslot.newest(w.paths, uid=os.geteuid())
+            assert snap is not None and snap.table.global_step == 2
+            snap.close()
+        finally:
+            w.release()
+    finally:
+        os.umask(old)

@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import threading
 import time
 from typing import Any
@@ -67,12 +68,20 @@ def _make_dirs(root: str, run_dir: str, rank: int) -> str:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
-        st = os.lstat(d)
-        if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.geteuid():
-            raise MemoryTierUnavailable(f"{d} is not a directory of this user (uid {os.geteuid()}): refusing to "
-                                        "put this rank's state there")
-        if st.st_mode & 0o077:
-            os.chmod(d, 0o700)
+        try:  # checked and set through a descriptor: the name may be swapped for a link meanwhile
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            fd = -1
+        try:
+            st = os.fstat(fd) if fd >= 0 else None
+            if st is None or st.st_uid != os.geteuid():
+                raise MemoryTierUnavailable(f"{d} is not a directory of this user (uid {os.geteuid()}): refusing to "
+                                            "put this rank's state there")
+            if stat.S_IMODE(st.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)  # exactly 0700 whatever the umask (the daemon refuses anything looser)
+        finally:
+            if fd >= 0:
+                os.close(fd)
     return path
 
 
@@ -134,6 +143,10 @@ class FlashWriter:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o600:
+                # exactly 0600 whatever the umask (0400 would lock the job out of its own slot on reopen)
+                os.fchmod(fd, 0o600)
+                st = os.fstat(fd)
             memslot.check_owner(st, path, os.geteuid())
             if st.st_size != size:
                 # this slot's snapshot (if any) is the older one, about to be overwritten anyway
@@ -286,22 +299,18 @@ def load_into(path: str, targets: dict[str, np.ndarray], *, verified: str | None
             raise memslot.SlotError(f"{path}: the snapshot does not match this model: missing {missing[:3]}, "
                                     f"other shape or dtype {wrong[:3]}")
         if verified is not None and verified == snap.digest:
-            for e, v in snap.views():
-                if e.name in targets:
-                    np.copyto(targets[e.name].reshape(-1).view(np.uint8), np.frombuffer(v, np.uint8))
-                v.release()
+            for e in entries.values():
+                if e.name in targets:  # pread straight into the parameter: no mapping to fault on
+                    snap.readinto(e, memoryview(targets[e.name].reshape(-1).view(np.uint8)))
             if not snap.still_committed():
                 raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
             return snap.table
         hasher = snap.hasher()
-        for e, v in snap.views():
-            dst = targets[e.name].reshape(-1).view(np.uint8) if e.name in targets else None
-            for pos in range(0, e.nbytes, HASH_CHUNK):
-                chunk = v[pos:pos + HASH_CHUNK]
-                hasher.update(chunk)
-                if dst is not None:
-                    dst[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
-            v.release()
+        for e, pos, chunk in snap.chunks(HASH_CHUNK):
+            hasher.update(chunk)
+            if e.name in targets:
+                dst = targets[e.name].reshape(-1).view(np.uint8)
+                dst[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
         if not snap.check(hasher.digest()):  # raises on a damaged snapshot
             raise memslot.SlotError(f"{path}: overwritten while it was loaded", hint="resume from the files instead")
         return snap.table

@@ -449,10 +449,11 @@ def _load_slot(path: str, verified: str | None) -> dict:
         raise RuntimeError(f"{path}: holds no whole snapshot any more (overwritten?): resume from the files")
     try:
         out: dict = {}
-        for e, view in snap.views():
-            out[e.name] = ms.Parameter(ms.Tensor.from_numpy(np.frombuffer(view, dtype=e.dtype).reshape(e.shape).copy()),
-                                       name=e.name)
-            view.release()
+        for e in snap.table.entries:
+            if e.is_tensor:  # pread into an array of its own (a truncated slot is an error, not SIGBUS)
+                data = np.empty(e.shape, dtype=e.dtype)
+                snap.readinto(e, memoryview(data.reshape(-1).view(np.uint8)))
+                out[e.name] = ms.Parameter(ms.Tensor.from_numpy(data), name=e.name)
         for e in snap.table.entries:
             if not e.is_tensor:
                 out[e.name] = ms.Parameter(ms.Tensor(e.value), name=e.name)

@@ -29,7 +29,6 @@ file would hold them.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import stat
 import struct
@@ -184,19 +183,45 @@ def commit_word(buf: Any) -> int:
     return struct.unpack_from("<Q", buf, SEQ_OFFSET)[0]
 
 
+#: the unit a reader streams a slot in: bounded memory whatever a tensor's size
+CHUNK = 4 << 20
+
+
+def truncated(path: str, fd: int, needed: int) -> SlotError:
+    """The error for a slot shorter than its header says (its file cut while it was read)."""
+    try:
+        have = os.fstat(fd).st_size
+    except OSError:
+        have = -1
+    return SlotError(f"{path}: slot truncated: header says {needed} bytes, file has {have}",
+                     hint="the job (or someone) shrank the slot; it is skipped until rewritten")
+
+
+def pread_into(fd: int, dst: memoryview, offset: int, path: str, needed: int) -> None:
+    """Fill ``dst`` from ``offset`` with pread: a slot cut short becomes a SlotError, never the
+    SIGBUS a mapping of it would raise in the whole process."""
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n <= 0:
+            raise truncated(path, fd, needed)
+        done += n
+
+
 @dataclass
 class Snapshot:
-    """A committed slot, mapped: ``tensors()`` yields zero-copy views of its payload. Valid only while
-    :attr:`seq` is still the slot's commit word (:meth:`still_committed`): the writer may begin to
-    overwrite it at any time after."""
+    """A committed slot, open by descriptor: every read is a pread (a slot truncated meanwhile is a
+    :class:`SlotError`, not a SIGBUS). Valid only while :attr:`seq` is still the slot's commit word
+    (:meth:`still_committed`): the writer may begin to overwrite it at any time after."""
 
     path: str
     seq: int
     table: Table
     table_bytes: bytes
     digest_bytes: bytes
-    map: mmap.mmap
+    fd: int
     payload_off: int
+    payload_len: int
 
     @property
     def digest(self) -> str:
@@ -206,15 +231,34 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.table.payload_len
 
-    def views(self) -> Iterator[tuple[Entry, memoryview]]:
-        mv = memoryview(self.map)
+    @property
+    def _end(self) -> int:
+        return self.payload_off + self.payload_len
+
+    def readinto(self, e: Entry, dst: memoryview, pos: int = 0) -> None:
+        """Bytes ``[pos, pos+len(dst))`` of tensor ``e`` into ``dst`` (the caller's own buffer)."""
+        pread_into(self.fd, dst, self.payload_off + e.offset + pos, self.path, self._end)
+
+    def read_tensor(self, e: Entry) -> memoryview:
+        """Tensor ``e``'s bytes, copied into a new writable buffer."""
+        buf = memoryview(bytearray(e.nbytes))
+        self.readinto(e, buf)
+        return buf
+
+    def chunks(self, size: int = CHUNK) -> Iterator[tuple[Entry, int, memoryview]]:
+        """(entry, position in it, bytes) of every tensor in table order, in chunks of at most
+        ``size`` read into one reused buffer: each chunk is valid until the next is yielded."""
+        buf = memoryview(bytearray(size))
         for e in self.table.entries:
             if e.is_tensor:
-                start = self.payload_off + e.offset
-                yield e, mv[start:start + e.nbytes]
+                for pos in range(0, e.nbytes, size):
+                    part = buf[:min(size, e.nbytes - pos)]
+                    self.readinto(e, part, pos)
+                    yield e, pos, part
 
     def still_committed(self) -> bool:
-        return commit_word(self.map) == self.seq
+        word = os.pread(self.fd, 8, SEQ_OFFSET)
+        return len(word) == 8 and int.from_bytes(word, "little") == self.seq
 
     def hasher(self) -> Any:
         """xxh3-128 seeded with the table: feed it each tensor's bytes in table order."""
@@ -231,18 +275,16 @@ class Snapshot:
         return True
 
     def verify(self) -> bool:
-        """Hash the whole snapshot and :meth:`check` it."""
+        """Hash the whole snapshot, streamed in chunks, and :meth:`check` it."""
         hasher = self.hasher()
-        for _, view in self.views():
-            hasher.update(view)
-            view.release()
+        for _, _, part in self.chunks():
+            hasher.update(part)
         return self.check(hasher.digest())
 
     def close(self) -> None:
-        try:
-            self.map.close()
-        except BufferError:  # a caller still holds a view: the mapping goes with it
-            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def check_owner(st: os.stat_result, where: str, uid: int | None) -> None:
@@ -259,49 +301,60 @@ def check_owner(st: os.stat_result, where: str, uid: int | None) -> None:
 
 
 def open_snapshot(path: str, *, uid: int | None = None) -> Snapshot | None:
-    """The committed snapshot in slot ``path``, mapped, its table parsed (its digest is
+    """The committed snapshot in slot ``path``, open by descriptor, its table parsed (its digest is
     :meth:`Snapshot.verify`'s job), or None when the slot holds none (never written, being written,
-    or overwritten while its table was read). A slot that fails its checks raises
-    :class:`SlotError` saying why. ``uid``: the owner it must have."""
+    or overwritten while its table was read). A slot that fails its checks, or is shorter than its
+    header says, raises :class:`SlotError` saying why. ``uid``: the owner it must have."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    return snapshot_at(fd, path, uid=uid)
+
+
+def snapshot_at(fd: int, path: str, *, uid: int | None = None) -> Snapshot | None:
+    """:func:`open_snapshot` over an open descriptor, which the snapshot takes over (closed here
+    unless a snapshot is returned)."""
     try:
         st = os.fstat(fd)
         check_owner(st, path, uid)
-        if st.st_size < PAGE:
-            return None  # being created
-        m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    try:
-        snap = _snapshot_in(m, path, st.st_size)
+        snap = _snapshot_in(fd, path, st.st_size) if st.st_size >= PAGE else None  # smaller: being created
     except BaseException:
-        m.close()
+        os.close(fd)
         raise
     if snap is None:
-        m.close()
+        os.close(fd)
     return snap
 
 
-def _snapshot_in(m: mmap.mmap, path: str, size: int) -> Snapshot | None:
-    h = read_header(m, path)
+def _seq_at(fd: int) -> int:
+    word = os.pread(fd, 8, SEQ_OFFSET)
+    return int.from_bytes(word, "little") if len(word) == 8 else 0
+
+
+def _snapshot_in(fd: int, path: str, size: int) -> Snapshot | None:
+    head = bytearray(PAGE)
+    pread_into(fd, memoryview(head), 0, path, PAGE)
+    h = read_header(head, path)
     if h.seq == 0:
         return None
-    if h.table_len > MAX_TABLE or PAGE + h.table_len > size or h.payload_off + h.payload_len > size:
-        raise SlotError(f"{path}: the header's lengths (table {h.table_len}, payload {h.payload_off}+{h.payload_len}) "
-                        f"do not fit the slot's {size} bytes")
-    raw = bytes(m[PAGE:PAGE + h.table_len])
+    if h.table_len > MAX_TABLE:
+        raise SlotError(f"{path}: the header's table length {h.table_len} is over {MAX_TABLE} bytes")
+    needed = max(PAGE + h.table_len, h.payload_off + h.payload_len)
+    if needed > size:
+        raise truncated(path, fd, needed)
+    raw = bytearray(h.table_len)
+    pread_into(fd, memoryview(raw), PAGE, path, needed)
+    raw = bytes(raw)
     try:
         table = decode_table(raw, path)
     except SlotError:
-        if commit_word(m) != h.seq:
+        if _seq_at(fd) != h.seq:
             return None  # overwritten while read
         raise
-    if commit_word(m) != h.seq:
+    if _seq_at(fd) != h.seq:
         return None
     if table.payload_len > h.payload_len:
         raise SlotError(f"{path}: the table's tensors end at {table.payload_len}, past the payload "
                         f"({h.payload_len} bytes)")
-    return Snapshot(path, h.seq, table, raw, h.digest, m, h.payload_off)
+    return Snapshot(path, h.seq, table, raw, h.digest, fd, h.payload_off, h.payload_len)
 
 
 def newest(paths: list[str], *, uid: int | None = None) -> Snapshot | None:
