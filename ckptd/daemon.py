@@ -62,7 +62,8 @@ def ingestor(settings: Settings, sessions: sessionmaker, nodes: NodeView, submit
 
 
 def object_tier(settings: Settings, sessions: sessionmaker,  # noqa: ANN201 - ckptd.service.objtier.ObjectTier
-                requeue: Callable[[list[int]], None] | None = None):
+                requeue: Callable[[list[int]], None] | None = None,
+                on_commit: Callable[[float], None] | None = None):
     """The object tier of this configuration (its client library loads on first use)."""
     from ckptd.service.objtier import ObjectTier
     from ckptd.storage.s3 import ObjectStore
@@ -72,7 +73,7 @@ def object_tier(settings: Settings, sessions: sessionmaker,  # noqa: ANN201 - ck
         policy = RetentionPolicy(keep_last=settings.object_keep_last, keep_every=settings.object_keep_every)
     return ObjectTier(sessions, settings.storage, ObjectStore(settings.object_store), settings.node_name,
                       upload_every=settings.upload_every, scrub_interval=settings.object_scrub_interval, policy=policy,
-                      gc_interval=settings.object_gc_interval, requeue=requeue)
+                      gc_interval=settings.object_gc_interval, requeue=requeue, on_commit=on_commit)
 
 
 class Daemon:
@@ -154,7 +155,7 @@ class Daemon:
             self.memory.reconcile()
             threading.Thread(target=self._memory_loop, name="ckptd-memory", daemon=True).start()
         if self.settings.object_store is not None:
-            self.objects = object_tier(self.settings, self.sessions, self.verifier.submit)
+            self.objects = object_tier(self.settings, self.sessions, self.verifier.submit, self.metrics.manifest_written)
             threading.Thread(target=self._object_loop, name="ckptd-object", daemon=True).start()
         if self.settings.gc_keep_last or self.settings.gc_keep_every:
             self._gc_thread = threading.Thread(target=self._gc_loop, name="ckptd-gc", daemon=True)

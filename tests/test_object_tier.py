@@ -88,7 +88,17 @@ def test_steps_uploaded_committed_answered_and_fetched(ms, s3env, tmp_path):
             capture_output=True, text=True, check=True).stdout)
         assert manifest["step"]["step"] == 2 and manifest["layout"] == "native"
         assert {o["path"] for o in manifest["objects"]} == {"rank_0/net-1_2.ckpt", "rank_1/net-1_2.ckpt", "strategy.ckpt"}
-        assert srv.client().get("/healthz").json()["object_tier"]["problem"] is None
+        tier = srv.client().get("/healthz").json()["object_tier"]
+        assert tier["problem"] is None
+        # both steps' shards were uploaded and read back; the delay to the newest manifest is known
+        assert tier["uploaded_bytes"] == sum((cfg.root / run / f"rank_{r}" / f"net-1_{s}.ckpt").stat().st_size
+                                             for r in (0, 1) for s in (1, 2))
+        assert 0 <= tier["last_manifest_delay_seconds"] < 90
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        delays = {s.name: s.value for s in families["ckptd_restorable_to_manifest_seconds"].samples}
+        assert delays["ckptd_restorable_to_manifest_seconds_count"] == 2
 
         # the root loses the run's files; the catalog stays: the oracle answers from the object tier
         originals = {p.relative_to(cfg.root / run): p.read_bytes() for p in (cfg.root / run).rglob("*.ckpt")}

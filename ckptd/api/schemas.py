@@ -345,6 +345,12 @@ class ObjectTierStatus(_Out):
                                                        "handed back to the verifier and backed off 30 s doubling to 1 h)")
     gc_runs: int = Field(default=0, description="object retention runs (after the tier changed, else every "
                                                 "object_gc_interval)")
+    uploaded_bytes: int = Field(default=0, description="bytes of shards uploaded and proven by read-back")
+    upload_seconds: float = Field(default=0.0, description="seconds spent uploading and reading back those shards")
+    last_manifest_delay_seconds: float | None = Field(
+        default=None, description="for the newest step committed here: seconds from its files verified (restorable) "
+                                  "to its manifest written; null before the first (histogram "
+                                  "ckptd_restorable_to_manifest_seconds)")
 
 
 class HealthzOut(_Out):

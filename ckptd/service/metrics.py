@@ -211,6 +211,10 @@ class DaemonMetrics:
             "Seconds the resume oracle (GET /v1/runs/{run}/resume) took to answer, by path (cache: a current cached "
             "answer served before the API stack; route: the documented route, which computes answers and errors) "
             "and HTTP status code.", ["path", "code"], buckets=_RESUME_BUCKETS, registry=self.registry)
+        self._to_manifest = Histogram(
+            "ckptd_restorable_to_manifest_seconds",
+            "Seconds from a step's files verified on the file tier (restorable) to its object-tier manifest written "
+            "by this node (object tier only).", buckets=_RENAME_BUCKETS, registry=self.registry)
         self.registry.register(TallyCollector(tallies, node, self.started))
         self.registry.register(CatalogCollector(sessions, node_timeout))
 
@@ -224,6 +228,10 @@ class DaemonMetrics:
     def resume_answered(self, seconds: float, path: str, code: int) -> None:
         """The resume oracle answered in ``seconds`` (``path``: ``cache`` or ``route``)."""
         self._resume.labels(path=path, code=str(code)).observe(seconds)
+
+    def manifest_written(self, seconds: float) -> None:
+        """A step's object-tier manifest was written ``seconds`` after its files were verified."""
+        self._to_manifest.observe(seconds)
 
     def render(self) -> bytes:
         """The text exposition of every metric (catalog reads happen here)."""

@@ -57,6 +57,7 @@ class ObjectTier:
     def __init__(self, sessions: sessionmaker[Session], files: PosixStorage, objects: ObjectStore, node: str, *,
                  upload_every: int = 1, scrub_interval: float = 0.0, policy: RetentionPolicy | None = None,
                  gc_interval: float = 300.0, requeue: Callable[[list[int]], None] | None = None,
+                 on_commit: Callable[[float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = sessions
         self.files = files
@@ -83,8 +84,10 @@ class ObjectTier:
         self._backoff = 1.0
         self.uploaded_bytes = 0
         self.upload_seconds = 0.0
-        #: seconds from a step's files verified to its manifest written, per committed step
-        self.commit_delays: list[float] = []
+        #: told the seconds from a step's files verified to its manifest written (the daemon's
+        #: histogram); the newest one is in :meth:`status`
+        self.on_commit = on_commit
+        self.last_commit_delay: float | None = None
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -221,7 +224,9 @@ class ObjectTier:
             objrows.commit(s, ckpt_id)
         self._tier_changed = True
         if verified_at is not None:
-            self.commit_delays.append((datetime.now(timezone.utc) - verified_at).total_seconds())
+            self.last_commit_delay = max(0.0, (datetime.now(timezone.utc) - verified_at).total_seconds())
+            if self.on_commit is not None:
+                self.on_commit(self.last_commit_delay)
         log.info("object tier: run %s step %d committed (%d objects)", ident.run, ident.step, len(objects))
 
     def _put_checked(self, key: str, path: str) -> tuple[int, str]:
@@ -329,7 +334,9 @@ class ObjectTier:
 
     def status(self) -> dict[str, Any]:
         return {"store": str(self.objects.url), "problem": self.problem, "passes": self.passes,
-                "shard_attempts": self.shard_attempts, "shard_failures": self.shard_failures, "gc_runs": self.gc_runs}
+                "shard_attempts": self.shard_attempts, "shard_failures": self.shard_failures, "gc_runs": self.gc_runs,
+                "uploaded_bytes": self.uploaded_bytes, "upload_seconds": round(self.upload_seconds, 3),
+                "last_manifest_delay_seconds": self.last_commit_delay}
 
 
 def per_rank_strategies(ident: objrows.StepIdentity) -> bool:
