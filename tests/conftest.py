@@ -47,6 +47,15 @@ def s3():
 
 
 @pytest.fixture
+def s3env(s3, monkeypatch):
+    """:func:`s3` in this test's environment (``AWS_*``), with no shared credentials file to fall back on."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    return s3
+
+
+@pytest.fixture
 def root(tmp_path):
     """An empty checkpoint root (what ``ckptd serve --root`` watches)."""
     r = tmp_path / "root"

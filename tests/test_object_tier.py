@@ -24,14 +24,6 @@ from daemon_helpers import fast_settings, migrated_sqlite, save_tp_step
 from seaweed import SeaweedServer
 
 
-@pytest.fixture
-def s3env(s3, monkeypatch):
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    return s3
-
-
 def wait(cond, timeout=90.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,18 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy.orm import sessionmaker
 
 from daemon_helpers import fast_settings, migrated_sqlite, query, save_tp_step, started_daemon, step_states, wait_for
-
-
-@pytest.fixture
-def s3env(s3, monkeypatch):
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    return s3
 
 
 class Clock:
