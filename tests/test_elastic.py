@@ -111,6 +111,7 @@ def source(ckptd, tmp_path_factory):  # noqa: F811
     return Source(ref, tp2dp2)
 
 
+@pytest.mark.slow
 def test_relaunch_with_fewer_ranks_resumes_from_ckptd_conversion(ckptd, source, monkeypatch):  # noqa: F811
     run_dir = ckptd.root / RUN
     first = ckptd.get(f"/v1/runs/{RUN}/resume?world_size=2").json()

@@ -158,6 +158,7 @@ def test_first_start_waits_for_ckptd_that_comes_up_later(serve):
     assert "attempt=0 event=finished" in log and "oracle_error" not in log
 
 
+@pytest.mark.slow
 def test_restart_waits_while_ckptd_is_killed_and_restarted(serve, ref):
     """The job loses a rank; just then ckptd is SIGKILLed. The restart waits for ckptd -- which comes
     back, is SIGKILLed once more before it is ready, and comes back again on the same catalog -- and
