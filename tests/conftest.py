@@ -11,15 +11,6 @@ os.environ.setdefault("GLOG_v", "3")
 os.environ.setdefault("MS_SUBMODULE_LOG_v", "{ME:3}")
 
 
-def pytest_collection_modifyitems(items):
-    """Modules holding long end-to-end cases (``slow``) first. ``make test`` hands whole modules to its
-    two workers in this order (``--dist loadfile``): the longest work starts first and the short
-    modules fill in at the end, instead of a 90 s job started last leaving the other worker idle; a
-    module's expensive fixtures (a reference training run) are set up once, on one worker."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
-
-
 @pytest.fixture(scope="session")
 def ms():
     import mindspore
