@@ -91,3 +91,20 @@ while True:
 """
     state, failure = _judge(tmp_path, script, 2, heartbeat_timeout=2.0)
     assert state == "failed" and failure is not None and (failure.rank, failure.step) == (0, 5), (state, failure)
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range_and_is_bindable():
+    """msrun's scheduler binds the port seconds after it is chosen: a port of the kernel's ephemeral
+    range could meanwhile be handed to another bind(0) or an outgoing connection (a CI run had
+    msrun's workers talking to another test's HTTP server)."""
+    import socket
+
+    from ckptd.launcher.supervise import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        first_ephemeral = int(fh.read().split()[0])
+    ports = {free_port() for _ in range(200)}
+    assert all(1024 <= p < first_ephemeral for p in ports)
+    assert len(ports) > 100  # drawn at random, not the same few
+    with socket.socket() as s:
+        s.bind(("", ports.pop()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -89,9 +90,37 @@ class Watch:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, for a listener started later (msrun's scheduler, a server).
+
+    Drawn at random *below* the kernel's ephemeral range, not by ``bind(0)``: the listener binds it
+    seconds later, and a port of the ephemeral range is what the kernel hands to every ``bind(0)``
+    and outgoing connection on the host meanwhile (another job's chosen port, this host's HTTP
+    clients). msrun's workers then spoke RPC to someone's HTTP server and the job never started."""
+    first_ephemeral = _ephemeral_range()[0]
+    low = max(1024, first_ephemeral - _POOL)
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(low, first_ephemeral) if first_ephemeral - low >= 1024 else 0
+        with socket.socket() as s:
+            try:  # every address: msrun's scheduler may listen on more than loopback
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port below the ephemeral range after 64 tries")
+
+
+#: how many ports below the ephemeral range :func:`free_port` draws from
+_POOL = 12_000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            lo, hi = (int(x) for x in fh.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _read_json(path: str) -> dict | None:
