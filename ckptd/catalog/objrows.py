@@ -7,9 +7,8 @@ once the step's manifest is written (the manifest is the commit: a step whose co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
@@ -67,17 +66,17 @@ def to_upload(s: Session, node: str, every: int, limit: int = 4,
     has_copy = select(ShardCopy.id).where(ShardCopy.checkpoint_id == Shard.checkpoint_id, ShardCopy.rank == Shard.rank,
                                           ShardCopy.tier == _OBJ, ShardCopy.state.in_(_LIVE)).exists()
     rows = s.execute(
-        select(Checkpoint.id, Checkpoint.step, Checkpoint.global_step, Run.name, Run.path, Shard.id, Shard.rank,
-               Shard.path, Shard.size, Shard.digest)
+        select(Checkpoint.id, users_step, Run.name, Run.path, Shard.id, Shard.rank, Shard.path, Shard.size,
+               Shard.digest)
         .join(Run, Run.id == Checkpoint.run_id).join(Shard, Shard.checkpoint_id == Checkpoint.id)
         .where(Checkpoint.id.in_(ids), Shard.node == node, Shard.state == ShardState.VERIFIED.value, ~has_copy)
         .order_by(Checkpoint.id.desc(), Shard.rank)).all()
     out: dict[int, StepToUpload] = {}
-    for cid, step, global_step, run, path, sid, rank, spath, size, digest in rows:
+    for cid, step, run, path, sid, rank, spath, size, digest in rows:
         if sid in skip and skip[sid] == digest:
             continue
         if cid not in out:
-            out[cid] = StepToUpload(cid, run, path, global_step if global_step is not None else step, [])
+            out[cid] = StepToUpload(cid, run, path, step, [])
         out[cid].shards.append((sid, rank, spath, size, digest))
     return list(out.values())
 

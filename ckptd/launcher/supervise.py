@@ -89,6 +89,10 @@ class Watch:
     exit_grace: float = 10.0
 
 
+#: how many ports below the kernel's ephemeral range :func:`free_port` draws from
+_POOL = 12_000
+
+
 def free_port() -> int:
     """A TCP port free now, for a listener started later (msrun's scheduler, a server).
 
@@ -96,31 +100,24 @@ def free_port() -> int:
     seconds later, and a port of the ephemeral range is what the kernel hands to every ``bind(0)``
     and outgoing connection on the host meanwhile (another job's chosen port, this host's HTTP
     clients). msrun's workers then spoke RPC to someone's HTTP server and the job never started."""
-    first_ephemeral = _ephemeral_range()[0]
-    low = max(1024, first_ephemeral - _POOL)
+    top = _first_ephemeral_port()
     rng = random.SystemRandom()
     for _ in range(64):
-        port = rng.randrange(low, first_ephemeral) if first_ephemeral - low >= 1024 else 0
         with socket.socket() as s:
             try:  # every address: msrun's scheduler may listen on more than loopback
-                s.bind(("", port))
+                s.bind(("", rng.randrange(max(1024, top - _POOL), top) if top > 2048 else 0))
             except OSError:
                 continue
             return s.getsockname()[1]
     raise OSError("no free TCP port below the ephemeral range after 64 tries")
 
 
-#: how many ports below the ephemeral range :func:`free_port` draws from
-_POOL = 12_000
-
-
-def _ephemeral_range() -> tuple[int, int]:
+def _first_ephemeral_port() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            lo, hi = (int(x) for x in fh.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _read_json(path: str) -> dict | None:

@@ -133,11 +133,8 @@ class ObjectTier:
         with self.sessions() as s:
             due = objrows.to_upload(s, self.node, self.upload_every, skip=held)
         n = 0
-        for st in due:
+        for st in due:  # shards refused lately with the same verdict are not among them (``skip``)
             for sid, rank, path, size, digest in st.shards:
-                held = self._refused.get(sid)
-                if held is not None and held[0] == digest and held[2] > now:
-                    continue  # refused lately with this same verdict: wait out its back-off
                 self.shard_attempts += 1
                 if self._upload_shard(st, rank, path, size, digest):
                     self._refused.pop(sid, None)
